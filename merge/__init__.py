@@ -1,0 +1,1 @@
+"""Pure merging: methods, streaming merge over safetensors, delta codecs, screening. No network code."""

@@ -1,0 +1,1 @@
+"""The `skillswarm` command line (typer + rich). Each group lives in its own module."""

@@ -1,0 +1,65 @@
+"""The `skillswarm` entry point: global options, logging, and the command groups that exist."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Optional
+
+import typer
+from rich.logging import RichHandler
+
+from skillswarm.node.cli import ident, net
+from skillswarm.node.cli.common import console, err_console
+from skillswarm.protocol.errors import SkillswarmError
+from skillswarm.protocol.version import PROTOCOL_VERSION, __version__
+
+app = typer.Typer(
+    name="skillswarm",
+    help="Grow one generalist language model out of many RL specialists, over a peer-to-peer network.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.add_typer(net.app, name="net")
+app.command("id")(ident.show_identity)
+
+
+def _version(value: bool) -> None:
+    if value:
+        console.print(f"skillswarm {__version__} (protocol {PROTOCOL_VERSION})", highlight=False)
+        raise typer.Exit()
+
+
+def setup_logging(verbosity: int) -> None:
+    """-q: warnings only; default: info; -v: debug for skillswarm; -vv: debug for hivemind too."""
+    level = logging.WARNING if verbosity < 0 else logging.INFO if verbosity == 0 else logging.DEBUG
+    handler = RichHandler(console=err_console, show_path=verbosity > 0, rich_tracebacks=True)
+    logging.basicConfig(level=logging.WARNING, handlers=[handler], format="%(message)s", force=True)
+    logging.getLogger("skillswarm").setLevel(level)
+    logging.getLogger("hivemind").setLevel(logging.DEBUG if verbosity > 1 else logging.WARNING)
+
+
+@app.callback()
+def main_options(
+    verbose: Annotated[int, typer.Option("--verbose", "-v", count=True, help="More logging (-vv: network too).")] = 0,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Warnings and errors only.")] = False,
+    version: Annotated[
+        Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = None,
+) -> None:
+    """Global options."""
+    setup_logging(-1 if quiet else verbose)
+
+
+def main() -> None:
+    """Console-script entry point: run the app, turning our errors into clean messages."""
+    try:
+        app()
+    except SkillswarmError as e:
+        err_console.print(f"[bold red]error:[/] {e}", highlight=False)
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""The records nodes exchange (msgspec Structs). Types and ranges here are the validation: decoding
+through `skillswarm.protocol.codec.decode_record` enforces every annotation and `__post_init__` check.
+
+Every record is a tagged `Record`: the protocol version it was written under, the network it belongs
+to, its author's Ed25519 public key, a creation time, and a signature over everything else.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+import msgspec
+from msgspec import Meta, Struct
+
+from skillswarm.protocol.version import PROTOCOL_VERSION
+
+# ---- field types (each annotation is a validation rule) -------------------------------------------
+Sha256 = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$", description="lower-case sha256 hex digest")]
+PublicKeyHex = Annotated[str, Meta(pattern=r"^([0-9a-f]{64})?$", description="Ed25519 public key, hex")]
+Name = Annotated[str, Meta(pattern=r"^[a-z0-9][a-z0-9_.-]{0,63}$", description="network or skill name")]
+PeerId = Annotated[str, Meta(pattern=r"^[1-9A-HJ-NP-Za-km-z]{32,64}$", description="libp2p peer id")]
+Multiaddr = Annotated[str, Meta(pattern=r"^/[!-~]{1,255}$", description="libp2p multiaddr")]
+RelPath = Annotated[str, Meta(pattern=r"^(?!/)(?!.*\.\.)[A-Za-z0-9_.\-/]{1,200}$", description="relative file path")]
+Version = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+Count = Annotated[int, Meta(ge=0, le=2**53)]
+Seconds = Annotated[float, Meta(ge=0.0, le=1e9)]
+Timestamp = Annotated[float, Meta(ge=0.0, le=1e11)]
+Fraction = Annotated[float, Meta(ge=0.0, le=1.0)]
+Real = Annotated[float, Meta(ge=-1e12, le=1e12)]  # finite: NaN and inf fail both bounds
+ShortText = Annotated[str, Meta(max_length=256)]
+Text = Annotated[str, Meta(max_length=1024)]
+Params = Annotated[dict[Annotated[str, Meta(pattern=r"^[a-z][a-z0-9_]{0,31}$")], Real], Meta(max_length=32)]
+
+Role = Literal["worker", "coordinator", "bootstrap", "observer"]
+Engine = Literal["hf", "vllm", "none"]
+Codec = Literal["dense_fp32", "dense_bf16", "dense_fp16", "topk", "int8", "lora"]
+MergeMethod = Literal["linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs"]
+Aggregator = Literal["mean", "trimmed_mean", "median", "clipped_mean"]
+NodeState = Literal["starting", "pulling", "training", "publishing", "merging", "evaluating", "idle"]
+Device = Literal["cpu", "cuda", "mps", "other"]
+
+ROLES: tuple[str, ...] = Role.__args__  # type: ignore[attr-defined]
+ENGINES: tuple[str, ...] = Engine.__args__  # type: ignore[attr-defined]
+CODECS: tuple[str, ...] = Codec.__args__  # type: ignore[attr-defined]
+MERGE_METHODS: tuple[str, ...] = MergeMethod.__args__  # type: ignore[attr-defined]
+AGGREGATORS: tuple[str, ...] = Aggregator.__args__  # type: ignore[attr-defined]
+
+SIGNATURE_BYTES = 64
+
+
+def _unique(field: str, items: list) -> None:
+    if len(set(items)) != len(items):
+        raise ValueError(f"`{field}` has duplicate entries")
+
+
+class _Part(Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """A nested value inside a record (no tag, no signature)."""
+
+
+class Record(_Part, tag_field="kind", kw_only=True):
+    """Envelope shared by every record: who wrote it, for which network, under which protocol."""
+
+    protocol: Annotated[int, Meta(ge=1, le=1_000_000)] = PROTOCOL_VERSION
+    network: Name
+    author: PublicKeyHex = ""  # filled by `identity.sign`
+    created: Timestamp = 0.0
+    signature: Annotated[bytes, Meta(max_length=SIGNATURE_BYTES)] = b""
+
+    def __post_init__(self) -> None:
+        if len(self.signature) not in (0, SIGNATURE_BYTES):
+            raise ValueError(f"`signature` must be empty or {SIGNATURE_BYTES} bytes")
+        if self.signature and not self.author:
+            raise ValueError("`author` is required on a signed record")
+
+
+# ---- nested parts ---------------------------------------------------------------------------------
+class Hardware(_Part, kw_only=True):
+    """What a peer runs on, so inspectors and coordinators know what to expect of it."""
+
+    device: Device = "cpu"
+    accelerator: ShortText = ""  # GPU name, empty on CPU
+    accelerator_mem_gb: Annotated[float, Meta(ge=0.0, le=1e6)] = 0.0
+    cpu_count: Annotated[int, Meta(ge=0, le=1_000_000)] = 0
+    ram_gb: Annotated[float, Meta(ge=0.0, le=1e7)] = 0.0
+
+
+class TrainStats(_Part, kw_only=True):
+    """What a stretch of training on one shard did; travels in DeltaManifest and SkillStats."""
+
+    steps: Count = 0
+    samples: Count = 0
+    tokens: Count = 0
+    seconds: Seconds = 0.0
+    mean_reward: Real = 0.0
+    accuracy_before: Fraction | None = None  # held-out accuracy at the start of the round
+    accuracy_after: Fraction | None = None  # held-out accuracy after it
+    eval_n: Count = 0
+    mean_staleness: Annotated[float, Meta(ge=0.0, le=1e6)] = 0.0
+    dropped_groups: Count = 0  # env_error groups and stale groups
+    filtered_groups: Count = 0  # zero-variance groups
+    engine: Engine = "hf"
+    lora: bool = False
+
+
+class FileEntry(_Part, kw_only=True):
+    """One file of a checkpoint: a puller fetches it by hash and verifies it before use."""
+
+    path: RelPath
+    sha256: Sha256
+    size: Count
+
+
+class DeltaRef(_Part, kw_only=True):
+    """A delta a merge used, and the weight it got."""
+
+    blob: Sha256
+    author: PublicKeyHex
+    skill: Name
+    weight: Real = 1.0
+
+
+class Rejection(_Part, kw_only=True):
+    """A delta a coordinator screened out, and why (shown by `net deltas`)."""
+
+    blob: Sha256
+    author: PublicKeyHex
+    skill: Name
+    reason: ShortText
+
+
+class SkillMetrics(_Part, kw_only=True):
+    """A skill's held-out score on a checkpoint."""
+
+    accuracy: Fraction
+    mean_reward: Real = 0.0
+    n: Count = 0
+
+
+class RoundPolicy(_Part, kw_only=True):
+    """When a round ends: enough deltas, or the wait ran out."""
+
+    steps_per_round: Annotated[int, Meta(ge=1, le=1_000_000)] = 20
+    min_deltas: Annotated[int, Meta(ge=1, le=4096)] = 1
+    max_wait_s: Annotated[float, Meta(gt=0.0, le=1e7)] = 900.0
+
+
+class MergePolicy(_Part, kw_only=True):
+    """How a coordinator folds a round's deltas into the next checkpoint."""
+
+    method: MergeMethod = "ties"
+    aggregator: Aggregator = "mean"  # within one skill's deltas
+    density: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.2
+    scale: Annotated[float, Meta(gt=0.0, le=100.0)] = msgspec.field(default=1.0, name="lambda")
+    trim_fraction: Annotated[float, Meta(ge=0.0, lt=0.5)] = 0.1
+    max_norm_ratio: Annotated[float, Meta(ge=1.0, le=1e6)] = 5.0  # reject norms above ratio * median
+
+
+# ---- records --------------------------------------------------------------------------------------
+class NetworkSpec(Record, tag="network", kw_only=True):
+    """Genesis of a network (`skillswarm net init`); `network` is its name. Shared as a TOML file."""
+
+    description: Text = ""
+    base_model: Annotated[str, Meta(min_length=1, max_length=512)]
+    base_revision: Annotated[str, Meta(max_length=128)] | None = None
+    base_hash: Sha256  # state-dict hash of the base weights = checkpoint v0
+    skills: Annotated[list[Name], Meta(min_length=1, max_length=64)]
+    coordinators: Annotated[list[Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]], Meta(max_length=32)] = []
+    bootstrap: Annotated[list[Multiaddr], Meta(max_length=16)] = []
+    codec: Codec = "dense_bf16"
+    round: RoundPolicy = RoundPolicy()
+    merge: MergePolicy = MergePolicy()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _unique("skills", self.skills)
+        _unique("coordinators", self.coordinators)
+
+
+class PeerRecord(Record, tag="peer", kw_only=True):
+    """A node's announcement (short expiration, heartbeated): who is online, doing what, reachable how."""
+
+    peer_id: PeerId
+    addrs: Annotated[list[Multiaddr], Meta(max_length=16)] = []
+    role: Role
+    skills: Annotated[list[Name], Meta(max_length=32)] = []
+    engine: Engine = "none"
+    hardware: Hardware = Hardware()
+    checkpoint_version: Version | None = None
+    state: NodeState = "starting"
+    software: Annotated[str, Meta(max_length=64)] = ""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _unique("skills", self.skills)
+
+
+class DeltaManifest(Record, tag="delta", kw_only=True):
+    """A worker's published delta (trained - base) for one skill, addressed by its blob's sha256."""
+
+    skill: Name
+    base_version: Version
+    base_hash: Sha256
+    blob: Sha256
+    size: Annotated[int, Meta(ge=1, le=2**40)]
+    codec: Codec
+    codec_params: Params = {}
+    norm: Annotated[float, Meta(ge=0.0, le=1e12)]
+    num_tensors: Annotated[int, Meta(ge=1, le=1_000_000)]
+    stats: TrainStats = TrainStats()
+
+
+class CheckpointManifest(Record, tag="checkpoint", kw_only=True):
+    """A merged checkpoint published by a coordinator: everything to fetch, verify and recompute it."""
+
+    version: Version
+    parent_version: Version | None = None
+    parent_hash: Sha256 | None = None
+    weights_hash: Sha256
+    files: Annotated[list[FileEntry], Meta(min_length=1, max_length=64)]
+    merged_delta: FileEntry | None = None  # delta parent -> this version, for workers holding the parent
+    method: MergeMethod | None = None  # None for the genesis checkpoint
+    aggregator: Aggregator | None = None
+    params: Params = {}
+    included: Annotated[list[DeltaRef], Meta(max_length=256)] = []
+    rejected: Annotated[list[Rejection], Meta(max_length=256)] = []
+    metrics: Annotated[dict[Name, SkillMetrics], Meta(max_length=64)] = {}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (self.parent_version is None) != (self.parent_hash is None):
+            raise ValueError("`parent_version` and `parent_hash` must be given together")
+        if self.parent_version is not None and self.parent_version >= self.version:
+            raise ValueError("`parent_version` must be lower than `version`")
+        if self.version > 0 and self.parent_version is None:
+            raise ValueError("a checkpoint after version 0 needs `parent_version`")
+        _unique("files", [f.path for f in self.files])
+        _unique("included", [d.blob for d in self.included])
+
+
+class SkillStats(Record, tag="skill_stats", kw_only=True):
+    """A worker's live progress on a shard (heartbeated while training; `net skills` shows it)."""
+
+    skill: Name
+    checkpoint_version: Version
+    stats: TrainStats
+
+
+AnyRecord = Union[NetworkSpec, PeerRecord, DeltaManifest, CheckpointManifest, SkillStats]
+RECORD_TYPES: tuple[type[Record], ...] = AnyRecord.__args__  # type: ignore[attr-defined]
+
+# Encoded-size caps per kind. DHT values stay a few KB (larger ones crash hivemind's DHT pipe);
+# a checkpoint manifest, the largest, travels as a blob referenced from the DHT when it grows.
+MAX_BYTES: dict[str, int] = {
+    "network": 64 * 1024,
+    "peer": 8 * 1024,
+    "delta": 8 * 1024,
+    "checkpoint": 64 * 1024,
+    "skill_stats": 4 * 1024,
+}
+MAX_RECORD_BYTES = max(MAX_BYTES.values())
+
+
+def kind_of(record_type: type[Record]) -> str:
+    """The tag a record type is encoded under."""
+    return record_type.__struct_config__.tag  # type: ignore[return-value]

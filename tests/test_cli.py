@@ -1,0 +1,30 @@
+"""The command line: help lists what exists, version, identity output."""
+
+from __future__ import annotations
+
+import json
+
+from tests.conftest import run_cli
+
+
+def test_help_lists_registered_commands() -> None:
+    out = run_cli("--help").stdout
+    for command in ("net", "id"):
+        assert command in out
+    assert "Usage" in run_cli("net", "--help").stdout
+
+
+def test_version() -> None:
+    out = run_cli("--version").stdout
+    assert out.startswith("skillswarm ") and "protocol 1" in out
+
+
+def test_id_json_is_stable_and_creates_the_key() -> None:
+    first = json.loads(run_cli("id", "--json").stdout)
+    second = json.loads(run_cli("id", "--json").stdout)
+    assert first == second and first["peer_id"].startswith("12D3KooW") and len(first["public_key"]) == 64
+
+
+def test_unknown_option_is_a_usage_error() -> None:
+    proc = run_cli("net", "init", "--bogus", check=False)
+    assert proc.returncode == 2 and "bogus" in proc.stderr

@@ -1,0 +1,86 @@
+"""Network files: `net init` writes a signed spec, loading validates it, bad files get clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from skillswarm.protocol.errors import SpecError
+from skillswarm.protocol.hashing import weights_hash
+from skillswarm.protocol.identity import Identity
+from skillswarm.protocol.netspec import load_spec, parse_spec, save_spec, spec_to_toml
+from tests.conftest import run_cli
+
+
+def test_net_init_writes_a_valid_signed_spec(tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "net.toml"
+    run_cli("net", "init", "--name", "alpha", "--model", str(tiny_model_dir), "--skill", "arith", "--skill", "sort",
+            "--method", "task_arithmetic", "--lambda", "0.7", "--out", str(out))
+    spec = load_spec(out)
+    me = Identity.load_or_create()
+    assert spec.network == "alpha" and spec.skills == ["arith", "sort"]
+    assert spec.base_hash == weights_hash(tiny_model_dir)
+    assert spec.coordinators == [me.public_key_hex]  # the creator is trusted by default
+    assert spec.author == me.public_key_hex and len(spec.signature) == 64
+    assert spec.merge.method == "task_arithmetic" and spec.merge.scale == 0.7
+    assert "lambda = 0.7" in out.read_text()  # TOML uses mergekit's word
+    shown = json.loads(run_cli("net", "show", str(out), "--json").stdout)
+    assert shown["network"] == "alpha" and shown["merge"]["lambda"] == 0.7
+    again = run_cli("net", "init", "--name", "alpha", "--model", str(tiny_model_dir), "--skill", "arith",
+                    "--out", str(out), check=False)
+    assert again.returncode != 0 and "--force" in again.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--name", "Bad Name"], "network"),
+    (["--method", "magic"], "method"),
+    (["--density", "0"], "density"),
+    (["--skill", "arith", "--skill", "arith"], "duplicate"),
+])
+def test_net_init_rejects_bad_settings(tmp_path: Path, tiny_model_dir: Path, args: list[str], message: str) -> None:
+    base = {"--name": "alpha", "--model": str(tiny_model_dir), "--out": str(tmp_path / "n.toml")}
+    argv = [x for k, v in base.items() if k not in args for x in (k, v)]
+    if "--skill" not in args:
+        argv += ["--skill", "arith"]
+    proc = run_cli("net", "init", *argv, *args, check=False)
+    assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "n.toml").exists()
+
+
+def test_net_init_with_unreachable_model_says_what_to_do(tmp_path: Path) -> None:
+    proc = run_cli("net", "init", "--name", "a", "--model", "nobody/no-such-model-xyz", "--skill", "arith",
+                   "--out", str(tmp_path / "n.toml"), check=False, env={"HF_HUB_OFFLINE": "1"})
+    assert proc.returncode != 0 and "local path" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _spec_text(tiny_model_dir: Path, tmp_path: Path) -> str:
+    out = tmp_path / "net.toml"
+    run_cli("net", "init", "--name", "alpha", "--model", str(tiny_model_dir), "--skill", "arith", "--out", str(out))
+    return out.read_text()
+
+
+def test_loading_reports_each_problem(tmp_path: Path, tiny_model_dir: Path) -> None:
+    text = _spec_text(tiny_model_dir, tmp_path)
+    with pytest.raises(SpecError, match="does not exist"):
+        load_spec(tmp_path / "missing.toml")
+    with pytest.raises(SpecError, match="not valid TOML"):
+        parse_spec(text + "\n[[[")
+    with pytest.raises(SpecError, match="changed after it was signed"):
+        parse_spec(text.replace('skills = [\n    "arith",\n]', 'skills = [\n    "sort",\n]').replace('"arith"', '"sort"'))
+    unsigned = "\n".join(line for line in text.splitlines() if not line.startswith("signature"))
+    assert parse_spec(unsigned).skills == ["arith"]  # hand-written (unsigned) specs are fine
+    with pytest.raises(SpecError, match="base_hash"):
+        parse_spec(unsigned.replace("base_hash = \"", "base_hash = \"zz"))
+    with pytest.raises(SpecError, match="unknown field"):
+        parse_spec(unsigned + "\nmystery = 1\n")
+    with pytest.raises(SpecError, match="protocol version 99"):
+        parse_spec(unsigned.replace("protocol = 1", "protocol = 99"))
+
+
+def test_spec_round_trips_through_toml(tmp_path: Path, tiny_model_dir: Path) -> None:
+    spec = parse_spec(_spec_text(tiny_model_dir, tmp_path))
+    save_spec(spec, tmp_path / "copy.toml")
+    assert load_spec(tmp_path / "copy.toml") == spec
+    assert spec_to_toml(spec) == (tmp_path / "copy.toml").read_text()
