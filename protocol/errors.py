@@ -23,3 +23,23 @@ class SpecError(SkillswarmError):
 
 class HashMismatchError(SkillswarmError):
     """Bytes on disk or from a peer do not match the sha256 they were announced with."""
+
+
+class NetworkError(SkillswarmError):
+    """The DHT peer could not start, join the network, or stopped answering."""
+
+
+class BlobError(SkillswarmError):
+    """A blob is unknown, too large, or no provider could deliver bytes that match its sha256."""
+
+
+class MergeError(SkillswarmError):
+    """A delta, checkpoint or recipe given to the merge engine is unreadable, malformed or inconsistent."""
+
+
+class SkillError(SkillswarmError):
+    """A skill is unknown, fails to load, or is misconfigured (task bank, environment, rubric)."""
+
+
+class ModelError(SkillswarmError):
+    """A model directory is missing, incomplete or fails to load, or a base-model recipe is invalid."""

@@ -245,7 +245,16 @@ class SkillStats(Record, tag="skill_stats", kw_only=True):
     stats: TrainStats
 
 
-AnyRecord = Union[NetworkSpec, PeerRecord, DeltaManifest, CheckpointManifest, SkillStats]
+class ProviderRecord(Record, tag="provider", kw_only=True):
+    """A peer that serves a blob (by sha256) over its blob stream handler; short expiration, heartbeated."""
+
+    peer_id: PeerId
+    blob: Sha256
+    size: Count
+    addrs: Annotated[list[Multiaddr], Meta(max_length=16)] = []
+
+
+AnyRecord = Union[NetworkSpec, PeerRecord, DeltaManifest, CheckpointManifest, SkillStats, ProviderRecord]
 RECORD_TYPES: tuple[type[Record], ...] = AnyRecord.__args__  # type: ignore[attr-defined]
 
 # Encoded-size caps per kind. DHT values stay a few KB (larger ones crash hivemind's DHT pipe);
@@ -256,6 +265,7 @@ MAX_BYTES: dict[str, int] = {
     "delta": 8 * 1024,
     "checkpoint": 64 * 1024,
     "skill_stats": 4 * 1024,
+    "provider": 4 * 1024,
 }
 MAX_RECORD_BYTES = max(MAX_BYTES.values())
 

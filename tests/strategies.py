@@ -93,4 +93,6 @@ def checkpoint_manifests(draw):
 
 skill_stats = _record(r.SkillStats, skill=names, checkpoint_version=versions, stats=train_stats)
 
-any_record = st.one_of(network_specs, peer_records, delta_manifests, checkpoint_manifests(), skill_stats)
+provider_records = _record(r.ProviderRecord, peer_id=peer_ids, blob=sha, size=counts, addrs=st.lists(maddrs, max_size=4))
+
+any_record = st.one_of(network_specs, peer_records, delta_manifests, checkpoint_manifests(), skill_stats, provider_records)

@@ -96,3 +96,159 @@ def show(path: Annotated[Path, typer.Argument(help="Network file.")] = Path("net
         ["signed by", fingerprint(spec.author) if spec.signature else "(unsigned)"],
     ]
     console.print(table(f"network {spec.network}", ["field", "value"], rows))
+
+
+# ---- live network: serve, peers, status ------------------------------------------------------------
+PeersOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--peers", help="Multiaddr of a running peer (…/p2p/<peer id>); repeatable. Default: the network file's bootstrap."),
+]
+NetworkOpt = Annotated[Path, typer.Option("--network", help="Network file.")]
+
+
+def _join_peers(spec: NetworkSpec, peers: list[str] | None) -> list[str]:
+    joined = list(peers or spec.bootstrap)
+    if not joined:
+        fail(f"no peer to join network `{spec.network}`: pass --peers MADDR (from `skillswarm net serve`) "
+             "or list bootstrap peers in the network file (`net init --bootstrap`)")
+    return joined
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    return f"{seconds:.0f} s ago" if seconds < 120 else f"{seconds / 60:.0f} min ago" if seconds < 7200 else f"{seconds / 3600:.0f} h ago"
+
+
+def _hardware(h) -> str:  # a Hardware part, in a few words
+    if h.device == "cpu":
+        return f"cpu x{h.cpu_count}, {h.ram_gb:g} GB" if h.cpu_count else "cpu"
+    return f"{h.accelerator or h.device} {h.accelerator_mem_gb:g} GB" if h.accelerator_mem_gb else (h.accelerator or h.device)
+
+
+def _short(peer_id: str) -> str:
+    return f"{peer_id[:10]}…{peer_id[-6:]}"
+
+
+def _observer(spec: NetworkSpec, peers: list[str] | None):
+    """A short-lived client-mode peer with a throwaway key (never the node's own: two peers with one
+    identity on one network confuse libp2p)."""
+    from skillswarm.protocol.dht import SwarmDHT
+
+    return SwarmDHT(spec.network, Identity.generate(), host="0.0.0.0", initial_peers=_join_peers(spec, peers), client_mode=True)
+
+
+@app.command("serve")
+def serve(
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "0.0.0.0",
+    port: Annotated[int, typer.Option(help="TCP port (0: any free port; pick a fixed one for a bootstrap peer).")] = 0,
+    peers: Annotated[Optional[list[str]], typer.Option("--peers", help="Multiaddr of a running peer to join; repeatable. None: start a new DHT.")] = None,
+    network: Annotated[Optional[Path], typer.Option("--network", help="Network file: announce this peer in it (role bootstrap).")] = None,
+    announce: Annotated[Optional[list[str]], typer.Option("--announce", help="Public multiaddr others should dial (behind NAT with a forwarded port); repeatable.")] = None,
+    auto_relay: Annotated[bool, typer.Option("--auto-relay", help="Behind NAT without a forwarded port: become reachable through relays.")] = False,
+    relay: Annotated[bool, typer.Option("--relay/--no-relay", help="Use and offer circuit relays.")] = True,
+    heartbeat: Annotated[float, typer.Option(help="Seconds between announcements (records expire after 3 beats).")] = 10.0,
+    key: KeyOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """Run a DHT peer (a bootstrap for others) with the project's record validators until Ctrl-C or SIGTERM."""
+    import signal
+    import threading
+
+    from skillswarm.protocol.dht import SwarmDHT
+    from skillswarm.protocol.hardware import probe_hardware
+
+    spec = load_spec(network) if network else None
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    dht = SwarmDHT(spec.network if spec else None, Identity.load_or_create(key), host=host, port=port,
+                   initial_peers=peers or (), announce_maddrs=announce or (), use_auto_relay=auto_relay, use_relay=relay)
+    with dht:
+        maddrs = dht.visible_maddrs()
+        if spec is not None:
+            hardware = probe_hardware()
+            dht.start_heartbeat(lambda: dht.make_peer_record(role="bootstrap", hardware=hardware, state="idle"),
+                                interval=heartbeat, ttl=3 * heartbeat)
+        if json:  # one line, so a supervising script can read it while the peer keeps running
+            import json as json_lib
+
+            console.file.write(json_lib.dumps({"peer_id": dht.identity.peer_id, "maddrs": maddrs,
+                                               "network": spec.network if spec else None}) + "\n")
+            console.file.flush()
+        else:
+            where = f"network [bold]{spec.network}[/]" if spec else "any network"
+            console.print(f"DHT peer [bold]{dht.identity.peer_id}[/] serving {where}. Give others one of these as "
+                          "--peers (or put it in the network file's `bootstrap`):")
+            for m in maddrs:
+                console.print(f"  {m}", highlight=False, soft_wrap=True)
+            console.print("Ctrl-C to stop.")
+            console.file.flush()  # others wait for these lines (scripts, tests)
+        while not stop.wait(1.0):
+            if not dht.is_running:
+                fail("the DHT process stopped unexpectedly; see the log above")
+    if not json:
+        console.print("stopped.")
+
+
+@app.command("peers")
+def peers_cmd(
+    network: NetworkOpt = Path("network.toml"),
+    peers: PeersOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """Join briefly and list the nodes online: peer id, role, skills, engine, hardware, last seen."""
+    import time
+
+    spec = load_spec(network)
+    with _observer(spec, peers) as dht:
+        found = dht.get_peers()
+    now = time.time()
+    if json:
+        print_json({"network": spec.network, "peers": [
+            {**msgspec.to_builtins(p), "signature": p.signature.hex(), "last_seen_s": round(now - p.created, 1)} for p in found]})
+        return
+    rows = [[_short(p.peer_id), p.role, ", ".join(p.skills) or "-", p.engine, _hardware(p.hardware),
+             "-" if p.checkpoint_version is None else p.checkpoint_version, p.state, _ago(now - p.created)] for p in found]
+    console.print(table(f"{len(found)} peers online in {spec.network}",
+                        ["peer id", "role", "skills", "engine", "hardware", "version", "state", "last seen"], rows))
+
+
+@app.command("status")
+def status(
+    network: NetworkOpt = Path("network.toml"),
+    peers: PeersOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """Join briefly and show this node's view: peers by role, skills covered, checkpoint versions seen."""
+    from collections import Counter
+
+    spec = load_spec(network)
+    joined = _join_peers(spec, peers)
+    with _observer(spec, peers) as dht:
+        online = dht.get_peers()
+        checkpoints = dht.get_checkpoints(trusted=spec.coordinators)
+        latest = max((c.version for c in checkpoints), default=None)
+        deltas = dht.get_deltas(latest if latest is not None else 0)
+        connected = len(dht.connected_peers())
+    roles = Counter(p.role for p in online)
+    skills = {s: sum(1 for p in online if p.role == "worker" and s in p.skills) for s in spec.skills}
+    view = {
+        "network": spec.network, "joined_via": joined, "connections": connected, "peers_online": len(online),
+        "roles": dict(roles), "workers_per_skill": skills, "latest_checkpoint": latest,
+        "checkpoint_versions": sorted({c.version for c in checkpoints}),
+        "deltas_on_latest": len(deltas), "trusted_coordinators": len(spec.coordinators),
+    }
+    if json:
+        print_json(view)
+        return
+    rows = [
+        ["network", spec.network], ["joined via", "\n".join(joined)], ["libp2p connections", connected],
+        ["peers online", f"{len(online)} ({', '.join(f'{n} {r}' for r, n in sorted(roles.items())) or 'none'})"],
+        ["workers per skill", ", ".join(f"{s}: {n}" for s, n in skills.items())],
+        ["latest checkpoint", "none yet (version 0 is the base model)" if latest is None else f"v{latest}"],
+        ["versions seen", ", ".join(f"v{v}" for v in view["checkpoint_versions"]) or "-"],
+        ["deltas on latest", len(deltas)],
+    ]
+    if not spec.coordinators:
+        rows.append(["note", "the network file trusts no coordinator: no checkpoint is accepted"])
+    console.print(table(f"status of {spec.network} (this node's view)", ["", ""], rows))

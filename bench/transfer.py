@@ -1,0 +1,228 @@
+"""Blob transfer throughput on 127.0.0.1 between two processes, three ways, same bytes:
+
+1. project: `SwarmDHT.fetch` (request framing, sha256, writing to the store, verify + rename);
+2. bare:    a hivemind binary stream on the same two daemons whose receiver discards the bytes
+            (the transport's ceiling);
+3. tcp:     a plain TCP socket (no encryption, no multiplexing).
+
+    .venv/bin/python bench/transfer.py [--size-mb 200 | --gb] [--repeat 3] [--json]
+
+The ways run interleaved, `--repeat` times; the best run of each counts (the machine may be shared). CPU
+time per MB (median, every process of both sides: the two DHT processes, the two p2pds) is printed too: it
+depends far less on other load than MB/s does. Goal: project >= 0.8x bare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import hivemind
+import psutil
+from hivemind.p2p import PeerID
+
+from skillswarm.protocol.blobs import BlobStore
+from skillswarm.protocol.dht import SwarmDHT
+from skillswarm.protocol.identity import Identity
+from skillswarm.protocol.streams import open_stream, send_all
+
+BARE_HANDLER = "skillswarm-bench/bare"
+CHUNK = 1 << 20
+
+
+# ---- the bare stream (both halves run inside the DHT processes) -------------------------------------
+# The same daemons, the same plain-socket access the project's fetch uses (`streams`), but the sender
+# sends a block of zeros from memory and the receiver drops what it gets: no framing, file, or hash.
+def _send_zeros(fd: int, n: int) -> None:
+    block, sent = bytes(CHUNK), 0
+    while sent < n:
+        k = min(CHUNK, n - sent)
+        send_all(fd, block[:k] if k < CHUNK else block, 30.0)
+        sent += k
+
+
+async def _bare_send(_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    n = int.from_bytes(await reader.readexactly(8), "big")
+    writer.transport.pause_reading()
+    fd = os.dup(writer.get_extra_info("socket").fileno())
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, _send_zeros, fd, n)
+    finally:
+        os.close(fd)
+        writer.close()
+
+
+async def start_bare_sender(_dht: hivemind.DHT, node: hivemind.DHTNode) -> None:
+    await node.p2p.add_binary_stream_handler(BARE_HANDLER, _bare_send)
+
+
+def _drop(control_path: str, peer: str, n: int) -> None:
+    with open_stream(control_path, peer, BARE_HANDLER, 30.0) as sock:
+        sock.sendall(n.to_bytes(8, "big"))
+        view, got = memoryview(bytearray(CHUNK)), 0
+        while got < n:
+            k = sock.recv_into(view)
+            if not k:
+                raise RuntimeError(f"bare stream ended after {got} of {n} bytes")
+            got += k
+
+
+async def bare_receive(_dht: hivemind.DHT, node: hivemind.DHTNode, peer: str, n: int) -> float:
+    """Receive n bytes and drop them; return the seconds it took (stream opened included)."""
+    start = time.perf_counter()
+    await asyncio.get_running_loop().run_in_executor(None, _drop, node.p2p.daemon_listen_maddr["unix"], peer, n)
+    return time.perf_counter() - start
+
+
+async def asyncio_receive(_dht: hivemind.DHT, node: hivemind.DHTNode, peer: str, n: int) -> float:
+    """The same bare stream read the way hivemind hands it over (asyncio StreamReader), for reference."""
+    start = time.perf_counter()
+    _, reader, writer = await node.p2p.call_binary_stream_handler(PeerID.from_base58(peer), BARE_HANDLER)
+    writer.write(n.to_bytes(8, "big"))
+    await writer.drain()
+    got = 0
+    while got < n:
+        data = await reader.read(CHUNK)
+        if not data:
+            raise RuntimeError(f"stream ended after {got} of {n} bytes")
+        got += len(data)
+    writer.close()
+    return time.perf_counter() - start
+
+
+# ---- plain TCP ------------------------------------------------------------------------------------
+def _tcp_server(sock: socket.socket, n: int) -> None:
+    block = bytes(CHUNK)
+    while True:
+        conn, _ = sock.accept()
+        with conn:
+            left = n
+            while left:
+                left -= conn.send(memoryview(block)[: min(CHUNK, left)])
+
+
+def tcp_receive(port: int, n: int) -> float:
+    buf = bytearray(CHUNK)
+    start = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        got = 0
+        while got < n:
+            k = s.recv_into(buf)
+            if not k:
+                raise RuntimeError(f"tcp stream ended after {got} of {n} bytes")
+            got += k
+    return time.perf_counter() - start
+
+
+# ---- the provider process -------------------------------------------------------------------------
+def serve(root: Path, n: int) -> None:
+    """Provider side: make the blob, serve it three ways, print where, wait for stdin to close."""
+    store = BlobStore(root)
+    with tempfile.NamedTemporaryFile(dir=root, delete=False) as f:
+        for _ in range(0, n, CHUNK):
+            f.write(os.urandom(min(CHUNK, n - f.tell())))
+    sha = store.add_file(f.name, move=True)
+    sock = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_tcp_server, args=(sock, n), daemon=True).start()
+    with SwarmDHT("bench", Identity.generate()) as dht:
+        dht.serve_blobs(store, max_concurrent=2)
+        dht.run_coroutine(start_bare_sender)
+        print(json.dumps({"maddrs": dht.visible_maddrs(), "peer_id": dht.peer_id, "sha": sha,
+                          "tcp_port": sock.getsockname()[1]}), flush=True)
+        sys.stdin.read()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-mb", type=int, default=200, help="bytes to send, in MB (2**20)")
+    ap.add_argument("--gb", action="store_true", help="send 1 GB (1024 MB) instead")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per way; the best counts")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    n = (1024 if args.gb else args.size_mb) << 20
+    if args.serve:
+        return serve(args.serve, n)
+
+    load = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="skillswarm-bench-") as tmp:
+        provider = subprocess.Popen([sys.executable, __file__, "--serve", f"{tmp}/provider", "--size-mb", str(n >> 20)],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            info = json.loads(provider.stdout.readline())
+            store = BlobStore(f"{tmp}/fetcher")
+            with SwarmDHT("bench", Identity.generate(), initial_peers=info["maddrs"]) as dht:
+                dht.run_coroutine(bare_receive, peer=info["peer_id"], n=1 << 20)  # warm the connection up
+                both_sides = _processes(provider.pid)
+
+                def project() -> None:
+                    store.remove(info["sha"])
+                    dht.fetch(info["sha"], size=n, max_size=n, store=store, providers=[info["peer_id"]],
+                              progress=not args.json)
+
+                ways = {
+                    "project": project,
+                    "bare": lambda: dht.run_coroutine(bare_receive, peer=info["peer_id"], n=n),
+                    "tcp": lambda: tcp_receive(info["tcp_port"], n),
+                    "asyncio": lambda: dht.run_coroutine(asyncio_receive, peer=info["peer_id"], n=n),
+                }
+                runs: dict[str, list[tuple[float, float]]] = {k: [] for k in ways}
+                for _ in range(args.repeat):  # interleaved, so a burst of load elsewhere hits every way alike
+                    for name, way in ways.items():
+                        runs[name].append(_measure(way, both_sides))
+                assert store.verify(info["sha"]), "the fetched blob does not match its sha256"
+        finally:
+            provider.stdin.close()
+            provider.wait(30)
+    mb = n / 1e6
+    rate = {k: mb / min(t for t, _ in v) for k, v in runs.items()}
+    cpu = {k: 1000 * statistics.median(c for _, c in v) / mb for k, v in runs.items()}
+    result = {
+        "size_mb": n >> 20, "repeat": args.repeat, "load_avg_1m": round(load, 2),
+        "project_mb_s": round(rate["project"], 1), "bare_stream_mb_s": round(rate["bare"], 1),
+        "tcp_mb_s": round(rate["tcp"], 1),
+        "ratio_vs_bare": round(rate["project"] / rate["bare"], 3), "ratio_vs_tcp": round(rate["project"] / rate["tcp"], 3),
+        "hivemind_streamreader_mb_s": round(rate["asyncio"], 1),
+        "project_cpu_ms_per_mb": round(cpu["project"], 2), "bare_cpu_ms_per_mb": round(cpu["bare"], 2),
+    }
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"{n >> 20} MiB on 127.0.0.1, best of {args.repeat} (MB = 10^6 bytes; load average {load:.2f} "
+          f"on {os.cpu_count()} CPUs at the start):")
+    print(f"  project fetch   {result['project_mb_s']:8.1f} MB/s   {result['project_cpu_ms_per_mb']:.2f} CPU ms/MB (both sides)")
+    print(f"  bare stream     {result['bare_stream_mb_s']:8.1f} MB/s   {result['bare_cpu_ms_per_mb']:.2f} CPU ms/MB")
+    print(f"  plain TCP       {result['tcp_mb_s']:8.1f} MB/s")
+    print(f"  (bare stream read through hivemind's asyncio StreamReader: {result['hivemind_streamreader_mb_s']:.1f} MB/s)")
+    print(f"  project / bare  {result['ratio_vs_bare']:.3f}   (goal >= 0.8)")
+    print(f"  project / tcp   {result['ratio_vs_tcp']:.3f}")
+
+
+def _processes(provider_pid: int) -> list[psutil.Process]:
+    """Both sides: this process and the provider, with their DHT processes and p2pds."""
+    procs = {p.pid: p for r in (psutil.Process(), psutil.Process(provider_pid)) for p in [r, *r.children(recursive=True)]}
+    return [p for p in procs.values() if p.name() != "torch_shm_manager"]
+
+
+def _measure(way, procs: list[psutil.Process]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of `procs`) of one run."""
+    def cpu() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in procs)
+
+    c0, t0 = cpu(), time.perf_counter()
+    way()
+    return time.perf_counter() - t0, cpu() - c0
+
+
+if __name__ == "__main__":
+    main()

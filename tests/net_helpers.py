@@ -1,0 +1,38 @@
+"""Helpers shared by the network tests: process checks and DHT values made the way hivemind makes them."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import psutil
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+
+from skillswarm.protocol.identity import Identity
+from skillswarm.protocol.validation import OwnerSignatureValidator
+
+
+def still_running(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """The processes still running after up to `timeout` s (zombies count as gone; nothing is reaped here,
+    so their parents' own bookkeeping stays right)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for p in procs:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def signed_dht_record(signer: Identity, value: bytes | object, key: str, subkey: str, ttl: float = 30.0) -> DHTRecord:
+    """What hivemind stores and hands the validator: key id, msgpack subkey, msgpack value with the
+    owner signature `signer` makes (valid only when `subkey` is the signer's)."""
+    body = msgspec.msgpack.encode(value)
+    unsigned = DHTRecord(DHTID.generate(source=key).to_bytes(), msgspec.msgpack.encode(subkey), body, time.time() + ttl)
+    return DHTRecord(unsigned.key, unsigned.subkey, OwnerSignatureValidator(signer).sign_value(unsigned), unsigned.expiration_time)
