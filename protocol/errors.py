@@ -43,3 +43,7 @@ class SkillError(SkillswarmError):
 
 class ModelError(SkillswarmError):
     """A model directory is missing, incomplete or fails to load, or a base-model recipe is invalid."""
+
+
+class TrainError(SkillswarmError):
+    """A training run is misconfigured, or its run directory cannot be resumed as asked."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -27,21 +27,45 @@ def sha256_file(path: Path | str, chunk_size: int = CHUNK) -> str:
     return h.hexdigest()
 
 
-def _update_tensor(h: "hashlib._Hash", name: str, tensor: "torch.Tensor") -> None:
-    import torch
+class StateDictHasher:
+    """The canonical state-dict hash, fed one tensor at a time (and one chunk of rows at a time), so a
+    checkpoint can be hashed while it streams. Tensors must arrive in sorted-name order."""
 
-    t = tensor.detach().to("cpu").contiguous()
-    dtype = str(t.dtype).removeprefix("torch.")
-    shape = ",".join(str(d) for d in t.shape)
-    h.update(f"{len(name)}:{name}|{dtype}|{shape}|".encode())
-    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    def __init__(self) -> None:
+        self._h = hashlib.sha256(b"skillswarm/state-dict/v1\n")
+        self._last: str | None = None
+
+    def begin(self, name: str, dtype: "torch.dtype", shape: Sequence[int]) -> None:
+        """Start tensor `name` (its header: name, dtype, shape)."""
+        if self._last is not None and name <= self._last:
+            raise ValueError(f"tensor `{name}` hashed after `{self._last}`; feed tensors in sorted-name order")
+        self._last = name
+        dt = str(dtype).removeprefix("torch.")
+        self._h.update(f"{len(name)}:{name}|{dt}|{','.join(str(d) for d in shape)}|".encode())
+
+    def update(self, chunk: "torch.Tensor") -> None:
+        """The next bytes (rows) of the current tensor."""
+        import torch
+
+        if chunk.numel():
+            t = chunk.detach().to("cpu").contiguous().reshape(-1)
+            self._h.update(memoryview(t.view(torch.uint8).numpy()))
+
+    def add(self, name: str, tensor: "torch.Tensor") -> None:
+        """A whole tensor."""
+        self.begin(name, tensor.dtype, tensor.shape)
+        self.update(tensor)
+
+    def hexdigest(self) -> str:
+        """The digest so far."""
+        return self._h.hexdigest()
 
 
 def state_dict_hash(state: Mapping[str, "torch.Tensor"]) -> str:
     """Canonical sha256 of a state dict: sorted names, each with dtype, shape and raw bytes."""
-    h = hashlib.sha256(b"skillswarm/state-dict/v1\n")
+    h = StateDictHasher()
     for name in sorted(state):
-        _update_tensor(h, name, state[name])
+        h.add(name, state[name])
     return h.hexdigest()
 
 
@@ -56,9 +80,9 @@ def safetensors_hash(paths: Iterable[Path | str]) -> str:
             if name in owner:
                 raise ValueError(f"tensor `{name}` appears in more than one file")
             owner[name] = i
-    h = hashlib.sha256(b"skillswarm/state-dict/v1\n")
+    h = StateDictHasher()
     for name in sorted(owner):
-        _update_tensor(h, name, handles[owner[name]].get_tensor(name))
+        h.add(name, handles[owner[name]].get_tensor(name))
     return h.hexdigest()
 
 

@@ -45,3 +45,13 @@ def tiny_model_dir(tmp_path: Path) -> Path:
     save_file({"w": torch.randn(4, 3, generator=g), "b": torch.zeros(3)}, str(d / "model.safetensors"))
     (d / "config.json").write_text('{"model_type": "tiny"}')
     return d
+
+
+@pytest.fixture(scope="session")
+def nano_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real nano model (HF directory), built once per test session with the test recipe: the same
+    code path as `skillswarm base build`, a shorter warm-up. For every test that needs a real model."""
+    from skillswarm.skills.nano.build import build_base
+    from skillswarm.skills.nano.recipe import TEST_RECIPE
+
+    return build_base(tmp_path_factory.mktemp("nano") / "model", recipe=TEST_RECIPE, cache=False)

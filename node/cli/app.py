@@ -8,7 +8,10 @@ from typing import Annotated, Optional
 import typer
 from rich.logging import RichHandler
 
-from skillswarm.node.cli import ident, net
+from skillswarm.node.cli import ident, merge_cmd, net
+from skillswarm.node.cli import base_cmd, eval_cmd, skills_cmd
+from skillswarm.node.cli import coordinator_cmd, net_inspect, node_cmd, pull_cmd  # noqa: F401 (net_inspect adds `net` commands)
+from skillswarm.node.cli import report_cmd, train_cmd
 from skillswarm.node.cli.common import console, err_console
 from skillswarm.protocol.errors import SkillswarmError
 from skillswarm.protocol.version import PROTOCOL_VERSION, __version__
@@ -22,7 +25,16 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.add_typer(net.app, name="net")
+app.add_typer(merge_cmd.app, name="merge")
 app.command("id")(ident.show_identity)
+app.add_typer(skills_cmd.app, name="skills")
+app.add_typer(base_cmd.app, name="base")
+app.command("eval")(eval_cmd.eval_cmd)
+app.add_typer(node_cmd.app, name="node")
+app.add_typer(coordinator_cmd.app, name="coordinator")
+app.command("pull")(pull_cmd.pull_cmd)
+app.command("train")(train_cmd.train_cmd)
+app.command("report")(report_cmd.report_cmd)
 
 
 def _version(value: bool) -> None:

@@ -1,0 +1,309 @@
+"""Delta files: a task vector (trained - base) stored as one safetensors file that describes itself.
+
+`__metadata__` holds `format` ("skillswarm-delta"), `format_version`, `codec`, `codec_params` (JSON),
+`tensors` (JSON: name -> [dtype of the weight it applies to, or "", shape]) and, when known, `base_hash`
+and `skill`. Tensors a delta leaves out are zero (a LoRA delta holds only its target matrices).
+
+The trainer publishes with `compute_delta` (two model directories, streamed tensor by tensor) or
+`encode_delta` (a state dict of deltas, or LoRA factors, already in memory); the coordinator and the
+merge read with `read_delta`, which decodes any row range on demand.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Mapping
+
+import torch
+
+from skillswarm.merge.checkpoint import Checkpoint
+from skillswarm.merge.codecs import (DENSE_DTYPES, SUFFIXES, Factors, codec_params, decode_parts, decode_rows,
+                                     encode_tensor, part_layout, stored_kind, tensor_kind)
+from skillswarm.merge.progress import progress_bar
+from skillswarm.merge.tensorfile import DTYPES, TensorFile, TensorFileWriter, dtype_name, numel, row_chunks
+from skillswarm.protocol.atomic import atomic_open
+from skillswarm.protocol.errors import MergeError
+
+FORMAT = "skillswarm-delta"
+FORMAT_VERSION = "1"
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclass(frozen=True)
+class DeltaInfo:
+    """What encoding a delta produced: the fields a DeltaManifest needs (blob = sha256), and how exact it is."""
+
+    path: Path
+    sha256: str
+    size: int
+    codec: str
+    params: dict[str, float]
+    norm: float  # L2 norm of the delta as decoded (what a merge will use)
+    num_tensors: int
+    error: float | None = None  # ||x - decode(encode(x))|| / ||x||; None when LoRA factors came ready-made
+    base_hash: str | None = None
+    skill: str | None = None
+
+
+@dataclass(frozen=True)
+class DeltaTensor:
+    """One tensor a delta file declares: the weight's dtype (may be ""), shape, and how it is stored."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    kind: str
+
+
+class DeltaFile:
+    """A delta file opened for reading; tensors are materialized (float32) per tensor or per row range."""
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        self.file = TensorFile(self.path)
+        try:
+            self._parse()
+        except BaseException:
+            self.file.close()
+            raise
+
+    def _parse(self) -> None:
+        md, where = self.file.metadata, str(self.path)
+        if md.get("format") != FORMAT:
+            raise MergeError(f"{where} is not a skillswarm delta (no `format: {FORMAT}` metadata); make one with "
+                             "`skillswarm merge delta` or skillswarm.merge.encode_delta")
+        if md.get("format_version") != FORMAT_VERSION:
+            raise MergeError(f"{where} is delta format version {md.get('format_version')!r}; this build reads "
+                             f"version {FORMAT_VERSION} (upgrade skillswarm)")
+        try:
+            params = json.loads(md.get("codec_params", "{}"))
+            declared = json.loads(md["tensors"])
+            assert isinstance(params, dict) and isinstance(declared, dict)
+        except (KeyError, ValueError, AssertionError):
+            raise MergeError(f"{where}: `codec_params` / `tensors` metadata is missing or not a JSON object") from None
+        self.codec = md.get("codec", "")
+        self.params = codec_params(self.codec, params)
+        self.base_hash: str | None = md.get("base_hash") or None
+        self.skill: str | None = md.get("skill") or None
+        self.tensors: dict[str, DeltaTensor] = {}
+        used: set[str] = set()
+        for name, spec in sorted(declared.items()):
+            try:
+                dtype, shape = str(spec[0]), tuple(int(d) for d in spec[1])
+            except (TypeError, ValueError, IndexError):
+                raise MergeError(f"{where}: tensor `{name}` is declared as {spec!r}, expected [dtype, shape]") from None
+            if dtype and dtype not in DTYPES:
+                raise MergeError(f"{where}: tensor `{name}` declares unknown dtype {dtype!r}")
+            kind = stored_kind(self.file, name)
+            parts = [name] if kind == "dense" else [name + s for s in SUFFIXES[kind]]
+            self._check_parts(name, kind, shape)
+            used.update(parts)
+            self.tensors[name] = DeltaTensor(dtype, shape, kind)
+        stray = sorted(set(self.file.keys()) - used)
+        if stray:
+            raise MergeError(f"{where}: stored tensors {stray[:5]} belong to no declared tensor; the file is corrupt")
+
+    def _check_parts(self, name: str, kind: str, shape: tuple[int, ...]) -> None:
+        e = self.file.entry
+        bad = f"{self.path}: tensor `{name}` ({kind}, shape {list(shape)})"
+        if kind == "dense":
+            want = DENSE_DTYPES.get(self.codec, torch.float32) if tensor_kind(self.codec, shape) == "dense" else None
+            if e(name).shape != shape or e(name).dtype not in FLOAT_DTYPES or (want and e(name).dtype != want):
+                raise MergeError(f"{bad} is stored as {e(name).dtype} {list(e(name).shape)}; the {self.codec} codec "
+                                 f"stores {want or 'float'} of the declared shape")
+        elif kind == "topk":
+            i, v = e(name + "::idx"), e(name + "::val")
+            if (len(i.shape) != 1 or i.shape != v.shape or i.dtype not in (torch.int32, torch.int64)
+                    or v.dtype not in FLOAT_DTYPES or i.shape[0] > numel(shape)):
+                raise MergeError(f"{bad}: top-k parts must be 1-D int indices and float values of equal length")
+        elif kind == "int8":
+            q, s = e(name + "::q"), e(name + "::scale")
+            rows = shape[0] if len(shape) >= 2 else 1
+            if q.shape != shape or q.dtype != torch.int8 or s.shape != (rows,) or s.dtype != torch.float32:
+                raise MergeError(f"{bad}: int8 parts must be int8 {list(shape)} and float32 scales [{rows}]")
+        else:
+            a, b = e(name + "::A"), e(name + "::B")
+            if (len(shape) != 2 or len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != shape[1]
+                    or b.shape[0] != shape[0] or a.shape[0] != b.shape[1] or a.dtype not in FLOAT_DTYPES
+                    or b.dtype not in FLOAT_DTYPES):
+                raise MergeError(f"{bad}: LoRA parts must be A [r, {shape[1] if shape[1:] else '?'}] and B [{shape[0] if shape else '?'}, r]")
+
+    def names(self) -> list[str]:
+        """Declared tensor names, sorted."""
+        return list(self.tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor `name`."""
+        return self.tensors[name].shape
+
+    def rows(self, name: str, r0: int, r1: int) -> torch.Tensor | None:
+        """Rows [r0, r1) of tensor `name` as float32, or None if this delta leaves the tensor out (zero)."""
+        t = self.tensors.get(name)
+        return None if t is None else decode_rows(self.file, name, t.kind, t.shape, r0, r1)
+
+    def get(self, name: str) -> torch.Tensor:
+        """Tensor `name` as float32, whole."""
+        if name not in self.tensors:
+            raise MergeError(f"{self.path} has no tensor `{name}`")
+        t = self.tensors[name]
+        return decode_rows(self.file, name, t.kind, t.shape, 0, t.shape[0] if t.shape else 1)
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, float32 tensor) for every declared tensor, one materialized at a time."""
+        for name in self.tensors:
+            yield name, self.get(name)
+
+    def norm(self, chunk_elems: int = 1 << 22) -> float:
+        """L2 norm of the whole delta as decoded (streamed by row chunks)."""
+        total = 0.0
+        for name, t in self.tensors.items():
+            for r0, r1 in row_chunks(t.shape, chunk_elems):
+                total += float(torch.sum(torch.square(self.rows(name, r0, r1).to(torch.float64))))
+        return math.sqrt(total)
+
+    def close(self) -> None:
+        """Release the file."""
+        self.file.close()
+
+    def __enter__(self) -> "DeltaFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_delta(path: Path | str) -> DeltaFile:
+    """Open and validate a delta file (MergeError saying what is wrong otherwise)."""
+    return DeltaFile(path)
+
+
+def _metadata(codec: str, params: Mapping[str, float], declared: Mapping[str, list], base_hash: str | None,
+              skill: str | None) -> dict[str, str]:
+    md = {"format": FORMAT, "format_version": FORMAT_VERSION, "codec": codec,
+          "codec_params": json.dumps(dict(params), sort_keys=True), "tensors": json.dumps(dict(declared), sort_keys=True)}
+    if base_hash:
+        md["base_hash"] = base_hash
+    if skill:
+        md["skill"] = skill
+    return md
+
+
+class _DeltaWriter:
+    """Encodes tensors one at a time into an open file whose layout was declared up front."""
+
+    def __init__(self, f, codec: str, params: dict[str, float], specs: list[tuple[str, str, tuple[int, ...], int | None]],
+                 base_hash: str | None, skill: str | None) -> None:
+        self.codec, self.params = codec, params
+        layout, declared = [], {}
+        for name, dtype, shape, rank in specs:
+            layout += part_layout(codec, name, shape, params, rank)
+            declared[name] = [dtype, list(shape)]
+        self.layout = {n: (d, s) for n, d, s in layout}
+        self.w = TensorFileWriter(f, layout, _metadata(codec, params, declared, base_hash, skill))
+        self.sq_norm = self.sq_err = self.sq_ref = 0.0
+        self.exact = True
+
+    def add(self, name: str, x: torch.Tensor | Factors, shape: tuple[int, ...]) -> None:
+        parts = encode_tensor(self.codec, name, x, self.params)
+        for part, t in parts.items():
+            if (t.dtype, tuple(t.shape)) != self.layout[part]:
+                raise MergeError(f"`{name}`: encoded part {part} is {t.dtype} {list(t.shape)}, "
+                                 f"expected {self.layout[part][0]} {list(self.layout[part][1])}")
+            self.w.write(part, t)
+        kind = tensor_kind(self.codec, shape) if not isinstance(x, tuple) else "lora"
+        decoded = decode_parts(kind, {p[len(name):]: t for p, t in parts.items()}, shape)
+        self.sq_norm += float(torch.linalg.vector_norm(decoded)) ** 2
+        if isinstance(x, tuple):
+            self.exact = False
+        else:
+            ref = x.detach().to(torch.float32)
+            self.sq_ref += float(torch.linalg.vector_norm(ref)) ** 2
+            if not (kind == "dense" and parts[name].dtype == torch.float32):
+                self.sq_err += float(torch.linalg.vector_norm(ref - decoded)) ** 2
+
+    def info(self, path: Path, n: int, base_hash: str | None, skill: str | None) -> DeltaInfo:
+        sha, size = self.w.close()
+        err = math.sqrt(self.sq_err / self.sq_ref) if self.exact and self.sq_ref > 0 else (0.0 if self.exact else None)
+        return DeltaInfo(path=path, sha256=sha, size=size, codec=self.codec, params=dict(self.params),
+                         norm=math.sqrt(self.sq_norm), num_tensors=n, error=err, base_hash=base_hash, skill=skill)
+
+
+def encode_delta(delta: Mapping[str, torch.Tensor | Factors] | tuple[Path | str, Path | str], out_path: Path | str,
+                 codec: str, *, base_hash: str | None = None, skill: str | None = None,
+                 dtypes: Mapping[str, torch.dtype] | None = None, progress: bool = False, **params: float) -> DeltaInfo:
+    """Encode a delta with `codec` into `out_path` (written atomically) and describe the result.
+
+    `delta` is a state dict of deltas (trained - base, any float dtype; with codec "lora" a value may also
+    be ready factors (A, B) meaning B @ A), or a pair (tuned_dir, base_dir) that is streamed through
+    `compute_delta`. `dtypes` names the dtype of the weights each delta applies to (recorded so screening
+    can check it against the base); `params` are the codec's (density=, value_bits= for topk, rank= for lora).
+    """
+    if isinstance(delta, tuple):
+        tuned_dir, base_dir = delta
+        return compute_delta(base_dir, tuned_dir, out_path, codec, base_hash=base_hash, skill=skill,
+                             progress=progress, **params)
+    p = codec_params(codec, params)
+    if not delta:
+        raise MergeError("the delta is empty; nothing to encode")
+    specs, shapes = [], {}
+    for name in sorted(delta):
+        x = delta[name]
+        if isinstance(x, tuple):
+            shape, rank = (int(x[1].shape[0]), int(x[0].shape[1])), int(x[0].shape[0])
+        else:
+            if not torch.is_floating_point(x):
+                raise MergeError(f"delta tensor `{name}` is {x.dtype}; deltas are floating point")
+            if not bool(torch.isfinite(x).all()):
+                raise MergeError(f"delta tensor `{name}` has NaN or inf values; refusing to encode a broken delta")
+            shape, rank = tuple(x.shape), None
+        dt = dtype_name(dtypes[name]) if dtypes and name in dtypes else ""
+        specs.append((name, dt, shape, rank))
+        shapes[name] = shape
+    with atomic_open(out_path, "wb") as f:
+        w = _DeltaWriter(f, codec, p, specs, base_hash, skill)
+        with progress_bar(len(specs), "encoding delta", enabled=progress) as advance:
+            for name in shapes:
+                w.add(name, delta[name], shapes[name])
+                advance()
+        info = w.info(Path(out_path), len(specs), base_hash, skill)
+    return info
+
+
+def compute_delta(base_dir: Path | str, tuned_dir: Path | str, out_path: Path | str, codec: str, *,
+                  base_hash: str | None = None, skill: str | None = None, progress: bool = False,
+                  **params: float) -> DeltaInfo:
+    """delta = tuned - base for every floating-point weight, streamed one tensor at a time into `out_path`
+    (atomically). Both directories must hold the same tensor names and shapes."""
+    p = codec_params(codec, params)
+    base, tuned = Checkpoint(base_dir), Checkpoint(tuned_dir)
+    try:
+        names = base.names()
+        if tuned.names() != names:
+            only_b, only_t = sorted(set(names) - set(tuned.names())), sorted(set(tuned.names()) - set(names))
+            raise MergeError(f"{tuned_dir} and {base_dir} hold different tensors (only in base: {only_b[:3]}, "
+                             f"only in tuned: {only_t[:3]}); a delta needs the same architecture")
+        specs = []
+        for name in names:
+            b, t = base.entry(name), tuned.entry(name)
+            if b.shape != t.shape:
+                raise MergeError(f"`{name}` is {list(t.shape)} in {tuned_dir} but {list(b.shape)} in the base")
+            if torch.is_floating_point(torch.empty(0, dtype=b.dtype)):
+                specs.append((name, dtype_name(b.dtype), b.shape, None))
+        with atomic_open(out_path, "wb") as f:
+            w = _DeltaWriter(f, codec, p, specs, base_hash, skill)
+            with progress_bar(len(specs), "computing delta", enabled=progress) as advance:
+                for name, _, shape, _ in specs:
+                    x = tuned.read(name).to(torch.float32) - base.read(name).to(torch.float32)
+                    if not bool(torch.isfinite(x).all()):
+                        raise MergeError(f"`{name}` of {tuned_dir} has NaN or inf values; refusing to encode")
+                    w.add(name, x, shape)
+                    advance()
+            return w.info(Path(out_path), len(specs), base_hash, skill)
+    finally:
+        base.close()
+        tuned.close()

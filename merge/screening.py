@@ -1,0 +1,173 @@
+"""Screening: which of a round's deltas may enter the merge, and why each of the others may not.
+
+A delta is rejected when its file is not a valid delta, it was made against another base (the recorded
+or the claimed base hash is not the round's), it names tensors the base lacks or leaves out ones it must
+carry (every codec but lora carries every floating-point weight), a shape or dtype differs from the
+base's, a value is NaN or infinite (or top-k indices are out of order or range), or its norm is above
+`max_norm_ratio` times the median norm of the round's otherwise-valid deltas. Reasons fit a
+`Rejection` record (256 characters).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from skillswarm.merge.checkpoint import Checkpoint
+from skillswarm.merge.deltas import DeltaFile
+from skillswarm.merge.pipeline import CHUNK_ELEMS, is_float
+from skillswarm.merge.progress import progress_bar
+from skillswarm.merge.tensorfile import dtype_name, numel, row_chunks
+from skillswarm.protocol.errors import MergeError
+
+REASON_CHARS = 256
+
+
+@dataclass(frozen=True)
+class DeltaCandidate:
+    """A delta to screen: its file, the caller's id for it (e.g. the blob sha256), and what its manifest
+    claims (skill, base hash); claims are checked against the file when given."""
+
+    path: Path | str
+    key: str = ""
+    skill: str | None = None
+    base_hash: str | None = None
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A delta that passed, with its norm (of the decoded delta) and codec."""
+
+    candidate: DeltaCandidate
+    norm: float
+    codec: str
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A delta that did not pass, and why."""
+
+    candidate: DeltaCandidate
+    reason: str
+
+
+@dataclass(frozen=True)
+class ScreenResult:
+    """Accepted and rejected deltas, in the order given, and the median norm the outlier test used."""
+
+    accepted: list[Accepted]
+    rejected: list[Rejected]
+    median_norm: float | None
+
+
+class _Reject(Exception):
+    pass
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "..."
+
+
+def _names(items: list[str]) -> str:
+    return ", ".join(f"`{n}`" for n in items[:2]) + (f" and {len(items) - 2} more" if len(items) > 2 else "")
+
+
+def _check_hashes(f: DeltaFile, c: DeltaCandidate, base_hash: str | None) -> None:
+    if f.base_hash and c.base_hash and f.base_hash != c.base_hash:
+        raise _Reject(f"the file records base {f.base_hash[:12]} but its manifest claims {c.base_hash[:12]}")
+    if c.skill and f.skill and c.skill != f.skill:
+        raise _Reject(f"the file is for skill {f.skill!r} but its manifest says {c.skill!r}")
+    if base_hash:
+        h = f.base_hash or c.base_hash
+        if not h:
+            raise _Reject("it records no base hash; re-encode it with base_hash= the checkpoint it was trained from")
+        if h != base_hash:
+            raise _Reject(f"base hash {h[:12]} is not this round's base {base_hash[:12]}")
+
+
+def _check_layout(f: DeltaFile, base: Checkpoint) -> None:
+    unknown = [n for n in f.names() if n not in base]
+    if unknown:
+        raise _Reject(f"unknown tensor names {_names(unknown)} (not in the base)")
+    fixed = [n for n in f.names() if not is_float(base.entry(n).dtype)]
+    if fixed:
+        raise _Reject(f"it changes non-floating-point tensors {_names(fixed)}")
+    if f.codec != "lora":
+        missing = [n for n in base.names() if is_float(base.entry(n).dtype) and n not in f]
+        if missing:
+            raise _Reject(f"missing tensors {_names(missing)} (a {f.codec} delta carries every weight)")
+    for n in f.names():
+        e = base.entry(n)
+        if f.shape(n) != e.shape:
+            raise _Reject(f"wrong shape for `{n}`: {list(f.shape(n))}, the base's is {list(e.shape)}")
+        declared = f.tensors[n].dtype
+        if declared and declared != dtype_name(e.dtype):
+            raise _Reject(f"wrong dtype for `{n}`: made for {declared} weights, the base holds {dtype_name(e.dtype)}")
+
+
+def _check_topk_index(f: DeltaFile, name: str, piece: int) -> None:
+    part, n = name + "::idx", numel(f.shape(name))
+    total, prev = numel(f.file.entry(part).shape), -1
+    for i in range(0, total, piece):
+        idx = f.file.read_flat(part, i, i + piece).to(torch.int64)
+        if int(idx[0]) <= prev or bool((idx[1:] <= idx[:-1]).any()) or int(idx[0]) < 0 or int(idx[-1]) >= n:
+            raise _Reject(f"top-k indices of `{name}` are not strictly increasing within [0, {n})")
+        prev = int(idx[-1])
+
+
+def _norm_and_finite(f: DeltaFile, chunk_elems: int) -> float:
+    total = 0.0
+    for name in f.names():
+        if f.tensors[name].kind == "topk":
+            _check_topk_index(f, name, chunk_elems)
+        for r0, r1 in row_chunks(f.shape(name), chunk_elems):
+            x = f.rows(name, r0, r1)
+            if not bool(torch.isfinite(x).all()):
+                raise _Reject(f"non-finite values (NaN or inf) in `{name}`")
+            total += float(torch.sum(torch.square(x.to(torch.float64))))
+    norm = math.sqrt(total)
+    if not math.isfinite(norm):
+        raise _Reject("its norm overflows")
+    return norm
+
+
+def screen_deltas(base_dir: Path | str, candidates: Sequence[DeltaCandidate | Path | str], *,
+                  base_hash: str | None = None, max_norm_ratio: float | None = 5.0,
+                  chunk_elems: int = CHUNK_ELEMS, progress: bool = False) -> ScreenResult:
+    """Screen `candidates` against the round's base (`base_dir`, whose weights hash is `base_hash`).
+    `max_norm_ratio` None turns the outlier test off. One row chunk of one delta in memory at a time."""
+    if max_norm_ratio is not None and max_norm_ratio < 1.0:
+        raise MergeError(f"max_norm_ratio must be at least 1, got {max_norm_ratio}")
+    cands = [c if isinstance(c, DeltaCandidate) else DeltaCandidate(c) for c in candidates]
+    base = Checkpoint(base_dir)
+    passed: list[tuple[int, float, str]] = []
+    rejected: dict[int, Rejected] = {}
+    try:
+        with progress_bar(len(cands), "screening deltas", enabled=progress) as advance:
+            for i, c in enumerate(cands):
+                try:
+                    with DeltaFile(c.path) as f:
+                        _check_hashes(f, c, base_hash)
+                        _check_layout(f, base)
+                        passed.append((i, _norm_and_finite(f, chunk_elems), f.codec))
+                except _Reject as e:
+                    rejected[i] = Rejected(c, _short(str(e)))
+                except MergeError as e:
+                    rejected[i] = Rejected(c, _short(f"unreadable delta: {e}"))
+                advance()
+    finally:
+        base.close()
+    median = statistics.median([n for _, n, _ in passed]) if passed else None
+    accepted: dict[int, Accepted] = {}
+    for i, norm, codec in passed:
+        if max_norm_ratio is not None and median and norm > max_norm_ratio * median:
+            rejected[i] = Rejected(cands[i], _short(f"norm {norm:.4g} is {norm / median:.1f}x the round's median "
+                                                    f"{median:.4g} (limit {max_norm_ratio:g}x)"))
+        else:
+            accepted[i] = Accepted(cands[i], norm, codec)
+    return ScreenResult([accepted[i] for i in sorted(accepted)], [rejected[i] for i in sorted(rejected)], median)

@@ -1,0 +1,300 @@
+"""The streaming merge: N deltas (or N fine-tuned models) and a base in, a sharded checkpoint out.
+
+Two levels, as a coordinator merges a round: the deltas of each skill are first combined by an
+intra-skill aggregator (aggregate.py) into one task vector per skill, then the skills' task vectors are
+merged by the network's method (methods/). A plain N-delta merge is the special case of one delta per
+group. Everything runs per tensor, per row chunk, through `pipeline.run_pipeline`; whole-tensor statistics
+(trim thresholds, clipping norms) are computed first by streaming passes over the chunks, so the result is
+the same as merging whole tensors, and memory stays a few chunks per input.
+
+Determinism: tensors in sorted order, fixed summation order, exact thresholds, DARE masks keyed by
+(seed, tensor, group key): the same inputs give byte-identical files and the same weights hash.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from skillswarm.merge.aggregate import aggregate
+from skillswarm.merge.checkpoint import DEFAULT_SHARD_BYTES, Checkpoint
+from skillswarm.merge.codecs import DENSE_DTYPES
+from skillswarm.merge.deltas import DeltaFile
+from skillswarm.merge.methods import Method, get_method
+from skillswarm.merge.methods.base import densities_for, input_limits, merge_chunk
+from skillswarm.merge.methods.sparsify import rng_key, trim_ranks
+from skillswarm.merge.pipeline import CHUNK_ELEMS, MergeResult, apply_rows, is_float, run_pipeline
+from skillswarm.merge.tensorfile import numel
+from skillswarm.protocol.errors import MergeError
+from skillswarm.protocol.records import AGGREGATORS, MergePolicy
+
+
+FULL_TENSOR_ELEMS = 1 << 26  # up to this size (256 MiB of float32) thresholds come from the whole tensor at
+# once (fast exact selection); beyond it, from two histogram passes over its chunks (flat memory)
+
+
+@dataclass(frozen=True)
+class MergeSpec:
+    """How to merge: the method and its parameters (density, lambda/scale, normalize, gamma), and the
+    intra-skill aggregator with its trim fraction."""
+
+    method: str = "ties"
+    params: Mapping[str, Any] = field(default_factory=dict)
+    aggregator: str = "mean"
+    trim_fraction: float = 0.1
+
+    @classmethod
+    def from_policy(cls, policy: MergePolicy) -> "MergeSpec":
+        """The spec a network's MergePolicy describes."""
+        m = get_method(policy.method)
+        params: dict[str, Any] = {"scale": policy.scale}
+        if "density" in m.params.__dataclass_fields__:
+            params["density"] = policy.density
+        return cls(policy.method, params, policy.aggregator, policy.trim_fraction)
+
+    def resolve(self) -> tuple[Method, Any]:
+        """The method entry and its checked parameter struct."""
+        if self.aggregator not in AGGREGATORS:
+            raise MergeError(f"unknown aggregator {self.aggregator!r}; choose one of {', '.join(AGGREGATORS)}")
+        if not 0.0 <= self.trim_fraction < 0.5:
+            raise MergeError(f"trim_fraction must be in [0, 0.5), got {self.trim_fraction}")
+        m = get_method(self.method)
+        return m, m.make_params(self.params)
+
+
+@dataclass(frozen=True)
+class MergeInput:
+    """One input of a plain merge: a delta file or a fine-tuned model directory, its weight in the
+    method, and optionally its own density (as in a mergekit recipe)."""
+
+    path: Path | str
+    weight: float = 1.0
+    density: float | None = None
+
+
+class _ModelDelta:
+    """A fine-tuned model seen as a delta: rows of (tuned - base), in float32."""
+
+    def __init__(self, tuned: Checkpoint, base: Checkpoint) -> None:
+        self.tuned, self.base, self.path = tuned, base, tuned.dir
+
+    def rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        return self.tuned.read_rows(name, r0, r1).to(torch.float32) - self.base.read_rows(name, r0, r1).to(torch.float32)
+
+    def close(self) -> None:
+        self.tuned.close()
+
+
+@dataclass
+class _Group:
+    """What enters the cross-input method once: a skill's deltas (aggregated) or one input."""
+
+    key: str
+    sources: list[Any]
+    weights: list[float]
+    weight: float
+    density: float
+
+
+@dataclass
+class _Prep:
+    norms: list[list[float]] | None  # per group, per source: whole-tensor norms (clipped_mean)
+    limits: list[tuple[float, ...]]  # per group: trim thresholds
+
+
+class _MergeEngine:
+    """Per row chunk: aggregate each group, sparsify and combine across groups, add to the base."""
+
+    def __init__(self, base: Checkpoint, groups: list[_Group], spec: MergeSpec, seed: int,
+                 delta_codec: str, out_dtype: torch.dtype | None, chunk_elems: int) -> None:
+        self.base, self.groups, self.seed, self.chunk_elems = base, groups, seed, chunk_elems
+        self.method, self.params = spec.resolve()
+        self.aggregator, self.trim = spec.aggregator, spec.trim_fraction
+        self._delta = DENSE_DTYPES[delta_codec]
+        self._out = out_dtype
+        self.densities = densities_for(self.params, len(groups), [g.density for g in groups])
+
+    def out_dtype(self, name: str) -> torch.dtype:
+        dtype = self.base.entry(name).dtype
+        return self._out if self._out is not None and is_float(dtype) else dtype
+
+    def delta_dtype(self, name: str) -> torch.dtype | None:
+        return self._delta if is_float(self.base.entry(name).dtype) else None
+
+    def _task_vector(self, g: _Group, name: str, r0: int, r1: int, norms: list[float] | None) -> torch.Tensor:
+        shape = self.base.entry(name).shape
+        rows_shape = (r1 - r0, *shape[1:]) if shape else ()
+        xs = [x if (x := s.rows(name, r0, r1)) is not None else torch.zeros(rows_shape) for s in g.sources]
+        return aggregate(self.aggregator, xs, g.weights, trim_fraction=self.trim, norms=norms)
+
+    def _source_norm(self, src: Any, name: str, chunks: Sequence[tuple[int, int]]) -> float:
+        total = 0.0
+        for r0, r1 in chunks:
+            x = src.rows(name, r0, r1)
+            if x is not None:
+                total += float(torch.sum(torch.square(x.to(torch.float64))))
+        return math.sqrt(total)
+
+    def prepare(self, name: str, chunks: Sequence[tuple[int, int]], pool: ThreadPoolExecutor) -> _Prep | None:
+        if not is_float(self.base.entry(name).dtype):
+            return None
+        norms = None
+        if self.aggregator == "clipped_mean":
+            pairs = [(gi, s) for gi, g in enumerate(self.groups) for s in g.sources]
+            flat = list(pool.map(lambda p: self._source_norm(p[1], name, chunks), pairs))
+            norms = [[v for (gi, _), v in zip(pairs, flat) if gi == i] for i in range(len(self.groups))]
+        n = numel(self.base.entry(name).shape)
+
+        def limits(i: int) -> tuple[float, ...]:
+            g = self.groups[i]
+            gn = norms[i] if norms else None
+            chunk_iter = lambda: (self._task_vector(g, name, r0, r1, gn) for r0, r1 in chunks)  # noqa: E731
+            if not trim_ranks(self.method.sparsifier, n, self.densities[i], float(getattr(self.params, "gamma", 0.0))):
+                return ()
+            if n <= FULL_TENSOR_ELEMS:  # one whole tensor at a time: exact selection is fastest on it
+                whole, at = torch.empty(n, dtype=torch.float32), 0
+                for t in chunk_iter():
+                    whole[at:at + t.numel()] = t.reshape(-1)
+                    at += t.numel()
+                return input_limits(self.method, self.params, whole, n, self.densities[i], scratch=True)
+            return input_limits(self.method, self.params, chunk_iter, n, self.densities[i])
+
+        return _Prep(norms, list(pool.map(limits, range(len(self.groups)))))
+
+    def compute(self, name: str, r0: int, r1: int, prep: _Prep | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        entry = self.base.entry(name)
+        base_rows = self.base.read_rows(name, r0, r1)
+        if not is_float(entry.dtype):
+            return base_rows, None
+        n = numel(entry.shape)
+        ts = [self._task_vector(g, name, r0, r1, prep.norms[i] if prep and prep.norms else None)
+              for i, g in enumerate(self.groups)]
+        if prep is None:  # the whole tensor is this one chunk
+            limits = [input_limits(self.method, self.params, t, n, d) for t, d in zip(ts, self.densities)]
+        else:
+            limits = prep.limits
+        keys = [rng_key(self.seed, name, g.key) for g in self.groups]
+        offset = r0 * (numel(entry.shape[1:]) if entry.shape else 1)
+        merged = merge_chunk(self.method, self.params, ts, [g.weight for g in self.groups], self.densities,
+                             limits, keys, offset, owned=True)
+        d = merged.to(self._delta)
+        return apply_rows(base_rows, d, self.out_dtype(name)), d
+
+
+def _check_sources(base: Checkpoint, src: Any) -> None:
+    """Every tensor an input changes exists in the base with the same shape and a float dtype."""
+    if isinstance(src, DeltaFile):
+        for name in src.names():
+            if name not in base:
+                raise MergeError(f"{src.path} changes `{name}`, which the base does not have "
+                                 "(screen deltas with skillswarm.merge.screen_deltas first)")
+            e = base.entry(name)
+            if e.shape != src.shape(name) or not is_float(e.dtype):
+                raise MergeError(f"{src.path}: `{name}` is {list(src.shape(name))}, the base's is {e.dtype} "
+                                 f"{list(e.shape)}; this delta is for another model")
+    else:
+        if src.tuned.names() != base.names():
+            raise MergeError(f"{src.path} and the base hold different tensors; models must share an architecture")
+        for name in base.names():
+            if src.tuned.entry(name).shape != base.entry(name).shape:
+                raise MergeError(f"`{name}` is {list(src.tuned.entry(name).shape)} in {src.path} "
+                                 f"but {list(base.entry(name).shape)} in the base")
+
+
+def _open_source(base: Checkpoint, path: Path | str) -> Any:
+    p = Path(path)
+    src = _ModelDelta(Checkpoint(p), base) if p.is_dir() else DeltaFile(p)
+    try:
+        _check_sources(base, src)
+    except BaseException:
+        src.close()
+        raise
+    return src
+
+
+def _run(base_dir: Path | str, plan: list[tuple[str, list[tuple[Path | str, float]], float, float | None]],
+         spec: MergeSpec, out_dir: Path | str, *, seed: int, delta_out: Path | str | None, delta_codec: str,
+         base_hash: str | None, out_dtype: torch.dtype | None, max_shard_bytes: int, overwrite: bool,
+         workers: int | None, chunk_elems: int, progress: bool) -> MergeResult:
+    if delta_codec not in DENSE_DTYPES:
+        raise MergeError(f"the merged delta is stored dense; delta_codec must be one of {', '.join(DENSE_DTYPES)}")
+    if not plan or any(not members for _, members, _, _ in plan):
+        raise MergeError("nothing to merge: every group needs at least one delta")
+    spec.resolve()
+    base = Checkpoint(base_dir)
+    opened: list[Any] = []
+    try:
+        groups = []
+        for key, members, weight, density in plan:
+            sources = []
+            for path, _ in members:
+                sources.append(_open_source(base, path))
+                opened.append(sources[-1])
+            groups.append(_Group(key, sources, [float(w) for _, w in members], float(weight), density))
+        engine = _MergeEngine(base, groups, spec, seed, delta_codec, out_dtype, chunk_elems)
+        return run_pipeline(engine, out_dir, delta_out=delta_out, delta_codec=delta_codec, delta_base_hash=base_hash,
+                            max_shard_bytes=max_shard_bytes, overwrite=overwrite, workers=workers,
+                            chunk_elems=chunk_elems, progress=progress)
+    finally:
+        for s in opened:
+            s.close()
+        base.close()
+
+
+def merge_checkpoint(base_dir: Path | str, groups: Mapping[str, Sequence[tuple[Path | str, float]]],
+                     policy: MergePolicy | MergeSpec, out_dir: Path | str, *, seed: int = 0,
+                     skill_weights: Mapping[str, float] | None = None, delta_out: Path | str | None = None,
+                     delta_codec: str = "dense_fp32", base_hash: str | None = None,
+                     out_dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                     overwrite: bool = False, workers: int | None = None, chunk_elems: int = CHUNK_ELEMS,
+                     progress: bool = True) -> MergeResult:
+    """A coordinator's round: `groups` maps each skill to its screened deltas [(path, weight)], which the
+    policy's aggregator combines per skill; the policy's method then merges the skills (each weighted by
+    `skill_weights`, default 1) onto `base_dir`. Writes the checkpoint to `out_dir` (atomically) and, with
+    `delta_out`, the merged delta (dense in `delta_codec`, recorded against `base_hash`) that turns the base
+    into it: `apply_delta(base_dir, delta_out, ...)` reproduces the checkpoint bit for bit."""
+    spec = policy if isinstance(policy, MergeSpec) else MergeSpec.from_policy(policy)
+    plan = [(skill, list(members), float((skill_weights or {}).get(skill, 1.0)), None)
+            for skill, members in sorted(groups.items())]
+    return _run(base_dir, plan, spec, out_dir, seed=seed, delta_out=delta_out, delta_codec=delta_codec,
+                base_hash=base_hash, out_dtype=out_dtype, max_shard_bytes=max_shard_bytes, overwrite=overwrite,
+                workers=workers, chunk_elems=chunk_elems, progress=progress)
+
+
+def _plain(inputs: Sequence[MergeInput | Path | str]) -> list[tuple[str, list[tuple[Path | str, float]], float, float | None]]:
+    plan = []
+    for i, item in enumerate(inputs):
+        inp = item if isinstance(item, MergeInput) else MergeInput(item)
+        plan.append((f"{i}", [(inp.path, 1.0)], float(inp.weight), inp.density))
+    return plan
+
+
+def merge_deltas(base_dir: Path | str, deltas: Sequence[MergeInput | Path | str], spec: MergeSpec,
+                 out_dir: Path | str, **options: Any) -> MergeResult:
+    """Merge N delta files onto a base, one task vector each (options as for `merge_checkpoint`)."""
+    return _run(base_dir, _plain(deltas), spec, out_dir, **_defaults(options))
+
+
+def merge_models(base_dir: Path | str, models: Sequence[MergeInput | Path | str], spec: MergeSpec,
+                 out_dir: Path | str, **options: Any) -> MergeResult:
+    """Merge N fine-tuned model directories of the base's architecture (their task vectors are model - base)."""
+    for item in models:
+        path = Path(item.path if isinstance(item, MergeInput) else item)
+        if not path.is_dir():
+            raise MergeError(f"{path} is not a model directory")
+    return _run(base_dir, _plain(models), spec, out_dir, **_defaults(options))
+
+
+def _defaults(options: Mapping[str, Any]) -> dict[str, Any]:
+    allowed = {"seed": 0, "delta_out": None, "delta_codec": "dense_fp32", "base_hash": None, "out_dtype": None,
+               "max_shard_bytes": DEFAULT_SHARD_BYTES, "overwrite": False, "workers": None,
+               "chunk_elems": CHUNK_ELEMS, "progress": True}
+    unknown = set(options) - set(allowed)
+    if unknown:
+        raise TypeError(f"unknown merge options: {sorted(unknown)}")
+    return {**allowed, **options}

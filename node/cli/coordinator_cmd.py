@@ -1,0 +1,72 @@
+"""`skillswarm coordinator run`: merge each round's deltas into the next checkpoint (or `--verify` one)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from skillswarm.node.cli.common import JsonOpt, KeyOpt, console, fail, print_json
+from skillswarm.node.cli.swarm_opts import AnnounceOpt, AutoRelayOpt, HostOpt, NetworkOpt, PeersOpt, PortOpt
+
+app = typer.Typer(help="Run a coordinator node.", no_args_is_help=True)
+
+
+@app.command("run")
+def run(
+    network: NetworkOpt,
+    peers: PeersOpt = None,
+    rounds: Annotated[Optional[int], typer.Option(help="Stop after this many merges (default: until Ctrl-C).")] = None,
+    eval_n: Annotated[int, typer.Option(help="Held-out episodes per skill when evaluating a merge.")] = 64,
+    verify: Annotated[bool, typer.Option("--verify", help="Recompute a published merge and report whether its hash matches.")] = False,
+    version: Annotated[Optional[int], typer.Option(help="With --verify: the version to check (default: latest).")] = None,
+    host: HostOpt = "0.0.0.0",
+    port: PortOpt = 0,
+    announce: AnnounceOpt = None,
+    auto_relay: AutoRelayOpt = False,
+    key: KeyOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """Collect, verify, screen and merge each round's deltas; evaluate every skill; publish the signed
+    checkpoint. A coordinator killed mid-round restarts without publishing a version twice."""
+    from skillswarm.node.coordinator import Coordinator, verify_checkpoint
+    from skillswarm.node.pull import find_checkpoint
+    from skillswarm.node.session import open_session, stop_on_signals
+
+    with stop_on_signals() as stop, open_session(network, key=key, peers=peers, host=host, port=port,
+                                                 announce=announce or (), auto_relay=auto_relay,
+                                                 ephemeral_key=verify and key is None) as s:
+        if verify:
+            manifest = find_checkpoint(s.dht, s.spec, version)
+            if manifest is None:
+                fail(f"no trusted checkpoint{'' if version is None else f' v{version}'} found on {s.spec.network}")
+            ok, got = verify_checkpoint(s.spec, s.dht, s.store, s.blobs, manifest, progress=not json)
+            result = {"version": manifest.version, "published_hash": manifest.weights_hash, "recomputed_hash": got,
+                      "match": ok}
+            if json:
+                print_json(result)
+            else:
+                verdict = "[bold green]matches[/]" if ok else "[bold red]DOES NOT MATCH[/]"
+                console.print(f"v{manifest.version}: recomputed {got[:16]} {verdict} published {manifest.weights_hash[:16]}")
+            if not ok:
+                raise typer.Exit(3)
+            return
+
+        def event(kind: str, data: dict) -> None:
+            if kind == "published":
+                console.print(f"published checkpoint v{data['version']} ({data['weights_hash'][:12]})")
+            elif kind == "round":
+                console.print(f"round v{data['version']}: {data['deltas']} delta(s)")
+            elif kind == "merged":
+                accs = ", ".join(f"{k} {v:.2f}" for k, v in data["metrics"].items())
+                console.print(f"merged v{data['version']}: {data['included']} in, {data['rejected']} rejected, "
+                              f"{data['seconds']:.1f}s; accuracy {accs}")
+
+        coordinator = Coordinator(s.spec, s.identity, s.dht, s.store, s.blobs, eval_n=eval_n, on_event=event)
+        s.dht.start_heartbeat(lambda: s.dht.make_peer_record(role="coordinator", state=coordinator.state,
+                                                             checkpoint_version=s.store.latest()),
+                              interval=10.0, ttl=30.0)
+        console.print(f"coordinator [bold]{s.identity.peer_id}[/] for {s.spec.network}; listening on "
+                      f"{', '.join(s.dht.visible_maddrs()[:2])}", highlight=False)
+        reports = coordinator.run(stop, max_rounds=rounds)
+    console.print(f"stopped after {len(reports)} merge(s).")

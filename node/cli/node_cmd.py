@@ -1,0 +1,59 @@
+"""`skillswarm node run`: a worker that trains one skill shard and publishes its deltas."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from skillswarm.node.cli.common import KeyOpt, console
+from skillswarm.node.cli.swarm_opts import AnnounceOpt, AutoRelayOpt, HostOpt, NetworkOpt, PeersOpt, PortOpt
+
+app = typer.Typer(help="Run a worker node.", no_args_is_help=True)
+
+
+@app.command("run")
+def run(
+    network: NetworkOpt,
+    skill: Annotated[str, typer.Option(help="The skill shard to train (one of the network's skills).")],
+    peers: PeersOpt = None,
+    engine: Annotated[str, typer.Option(help="Inference engine: hf (CPU or GPU) or vllm (GPU, the vllm extra).")] = "hf",
+    lora: Annotated[bool, typer.Option(help="Train LoRA adapters instead of all weights.")] = False,
+    steps_per_round: Annotated[Optional[int], typer.Option(help="Optimizer steps per round (default: the network's).")] = None,
+    rounds: Annotated[Optional[int], typer.Option(help="Stop after this many rounds (default: run until Ctrl-C).")] = None,
+    group_size: Annotated[Optional[int], typer.Option(help="Episodes per task (GRPO group).")] = None,
+    batch: Annotated[Optional[int], typer.Option(help="Tasks per optimizer step.")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads for torch (default: all cores).")] = None,
+    wait_timeout: Annotated[Optional[float], typer.Option(help="Give up when no new checkpoint comes for this many seconds.")] = None,
+    host: HostOpt = "0.0.0.0",
+    port: PortOpt = 0,
+    announce: AnnounceOpt = None,
+    auto_relay: AutoRelayOpt = False,
+    key: KeyOpt = None,
+    progress: Annotated[bool, typer.Option(help="Show training progress bars.")] = True,
+) -> None:
+    """Join the network, pull the latest trusted checkpoint, train rounds of GRPO on SKILL and publish
+    each round's delta. Ctrl-C finishes the current step and exits cleanly; a restart resumes."""
+    from skillswarm.node.session import open_session, stop_on_signals
+    from skillswarm.node.worker import Worker, WorkerOptions
+
+    extra = {k: v for k, v in {"group_size": group_size, "batch": batch, "threads": threads}.items() if v is not None}
+    with stop_on_signals() as stop, open_session(network, key=key, peers=peers, host=host, port=port,
+                                                 announce=announce or (), auto_relay=auto_relay) as s:
+        console.print(f"worker [bold]{s.identity.peer_id}[/] on [bold]{skill}[/] in network {s.spec.network}; "
+                      f"listening on {', '.join(s.dht.visible_maddrs()[:2])}", highlight=False)
+
+        def event(kind: str, data: dict) -> None:
+            if kind == "pulled":
+                console.print(f"pulled checkpoint v{data['version']}")
+            elif kind == "published":
+                console.print(f"published delta for v{data['version']} ({data['blob'][:12]}): held-out accuracy "
+                              f"{data['accuracy_before']} -> {data['accuracy_after']}")
+
+        worker = Worker(s.spec, s.identity, s.dht, s.store, s.blobs,
+                        WorkerOptions(skill=skill, engine=engine, lora=lora, steps_per_round=steps_per_round,
+                                      train=extra, progress=progress), on_event=event)
+        worker.start_heartbeat()
+        done = worker.run(stop, max_rounds=rounds, wait_timeout=wait_timeout)
+    console.print(f"stopped after {done} round(s).")

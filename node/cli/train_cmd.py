@@ -1,0 +1,73 @@
+"""`skillswarm train`: async multi-turn GRPO on one skill shard; writes the trained model and its delta."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from skillswarm.node.cli.common import JsonOpt, console, err_console, print_json, table
+
+
+def train_cmd(
+    skill: Annotated[str, typer.Option(help="Skill shard to train on (see `skillswarm skills list`).")],
+    model: Annotated[Optional[Path], typer.Option(help="Starting model directory (HF format). Default: the nano base model.")] = None,
+    steps: Annotated[int, typer.Option(help="Optimizer steps (the run also stops at --max-minutes).", min=0)] = 200,
+    out: Annotated[Path, typer.Option(help="Run directory: metrics, checkpoints, the trained model and its delta.")] = Path("runs/train"),
+    lora: Annotated[bool, typer.Option("--lora", help="Train LoRA adapters (peft) instead of every weight.")] = False,
+    lora_rank: Annotated[int, typer.Option(help="LoRA rank.", min=1)] = 8,
+    group_size: Annotated[int, typer.Option(help="Episodes per task (a group, same environment seed).", min=2)] = 8,
+    batch: Annotated[int, typer.Option(help="Groups (tasks) per step, and per generation batch.", min=1)] = 4,
+    max_staleness: Annotated[int, typer.Option(help="Drop groups more than S policy versions old.", min=0)] = 2,
+    loss: Annotated[str, typer.Option(help="Loss variant: grpo, dr_grpo or dapo.")] = "grpo",
+    lr: Annotated[float, typer.Option(help="AdamW learning rate.")] = 1e-4,
+    beta: Annotated[float, typer.Option(help="KL penalty to the starting policy (0: none).", min=0.0)] = 0.0,
+    eps_low: Annotated[float, typer.Option(help="Clip range below 1.")] = 0.2,
+    eps_high: Annotated[float, typer.Option(help="Clip range above 1 (clip-higher when > eps-low).")] = 0.28,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature of the episodes.")] = 1.0,
+    max_new_tokens: Annotated[int, typer.Option(help="Token cap per model turn.", min=1)] = 64,
+    max_minutes: Annotated[Optional[float], typer.Option(help="Stop after this many minutes (whichever of steps or minutes comes first).")] = None,
+    eval_every: Annotated[int, typer.Option(help="Held-out eval every K steps (0: only before and after).", min=0)] = 50,
+    eval_n: Annotated[int, typer.Option(help="Held-out tasks per eval (0: no eval).", min=0)] = 200,
+    save_every: Annotated[int, typer.Option(help="Run checkpoint every K steps (0: only at the end).", min=0)] = 50,
+    seed: Annotated[int, typer.Option(help="Seed of task sampling and generation.")] = 0,
+    engine: Annotated[str, typer.Option(help="Inference engine: hf or vllm (GPU).")] = "hf",
+    sync: Annotated[bool, typer.Option("--sync", help="Generate and train in lock-step (no overlap), for comparison.")] = False,
+    async_mode: Annotated[str, typer.Option(help="Where async generation runs: auto, process or thread.")] = "auto",
+    threads: Annotated[Optional[int], typer.Option(help="Torch threads per process (default: 1 for small models).", min=1)] = None,
+    codec: Annotated[str, typer.Option(help="Delta codec (dense_bf16, dense_fp32, topk, int8, lora, ...).")] = "dense_bf16",
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Train a model on one skill with GRPO (async by default); writes OUT/model and OUT/delta.safetensors."""
+    from skillswarm.node.cli.eval_cmd import _default_model
+    from skillswarm.node.train import TrainConfig, train
+
+    cfg = TrainConfig(model_dir=model if model is not None else _default_model(), skill=skill, steps=steps, out_dir=out,
+                      lora=lora, lora_rank=lora_rank, group_size=group_size, batch=batch, max_staleness=max_staleness,
+                      loss=loss, lr=lr, beta=beta, eps_low=eps_low, eps_high=eps_high, temperature=temperature,
+                      max_new_tokens=max_new_tokens, max_minutes=max_minutes, eval_every=eval_every, eval_n=eval_n,
+                      save_every=save_every, seed=seed, engine=engine, sync=sync, async_mode=async_mode,
+                      threads=threads, codec=codec, resume=resume)
+    if not json_out:
+        err_console.print(f"training [bold]{skill}[/] on {cfg.model_dir} ({cfg.mode()}, {engine}"
+                          f"{', LoRA' if lora else ''}) -> {out}", highlight=False)
+    result = train(cfg, progress=not json_out)
+    stats = result.stats
+    data = {"run_dir": str(result.run_dir), "model_dir": str(result.model_dir), "metrics": str(result.metrics_path),
+            "delta": None if result.delta is None else {"path": str(result.delta.path), "sha256": result.delta.sha256,
+                                                        "size": result.delta.size, "codec": result.delta.codec,
+                                                        "norm": result.delta.norm},
+            "stats": {f: getattr(stats, f) for f in stats.__struct_fields__}}
+    if json_out:
+        print_json(data)
+        return
+    rows = [[f, getattr(stats, f)] for f in stats.__struct_fields__]
+    console.print(table(f"trained {skill}: {result.model_dir}", ["stat", "value"], rows))
+    if stats.accuracy_before is not None and stats.accuracy_after is not None:
+        console.print(f"held-out accuracy {stats.accuracy_before:.1%} -> [bold]{stats.accuracy_after:.1%}[/] "
+                      f"({(stats.accuracy_after - stats.accuracy_before) * 100:+.1f} points, n={stats.eval_n})", highlight=False)
+    if result.delta is not None:
+        console.print(f"delta {result.delta.path} ({result.delta.codec}, {result.delta.size:,} bytes)", highlight=False)
+    console.print(f"plots: skillswarm report {result.run_dir}", highlight=False)

@@ -1,0 +1,64 @@
+"""Held-out evaluation: run a skill's fixed eval split through its environment on a model.
+
+Used by `skillswarm eval`, by the trainer (eval every K steps) and by the coordinator (every skill
+on a merged checkpoint). Greedy by default, so a model's score is a property of its weights.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from skillswarm.node.generation import HFEngine
+from skillswarm.node.rollout import Engine, Rollout, run_episodes
+from skillswarm.skills.episode import OUTCOMES
+from skillswarm.skills.registry import get_skill
+from skillswarm.skills.skill import Skill
+
+DEFAULT_N = 200
+
+
+@dataclass
+class EvalResult:
+    """Accuracy (share of episodes answered correctly), mean reward, and a count per outcome."""
+
+    skill: str
+    n: int
+    accuracy: float
+    mean_reward: float
+    outcomes: dict[str, int]
+    seconds: float = 0.0
+    rollouts: list[Rollout] = field(default_factory=list, repr=False)
+
+    def as_json(self) -> dict[str, object]:
+        """The `skillswarm eval --json` object."""
+        return {"skill": self.skill, "n": self.n, "accuracy": self.accuracy, "mean_reward": self.mean_reward,
+                "outcomes": dict(self.outcomes)}
+
+
+def summarize(skill: str, rollouts: list[Rollout], seconds: float = 0.0) -> EvalResult:
+    """Accuracy, mean reward and outcome counts of finished rollouts."""
+    n = len(rollouts)
+    outcomes = {o: 0 for o in OUTCOMES}
+    for r in rollouts:
+        outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
+    accuracy = sum(r.episode.correct for r in rollouts) / n if n else 0.0
+    mean_reward = sum(r.reward for r in rollouts) / n if n else 0.0
+    return EvalResult(skill, n, round(accuracy, 6), round(mean_reward, 6), outcomes, round(seconds, 3), rollouts)
+
+
+def evaluate(model: Path | str | Engine, skill: str | Skill, n: int = DEFAULT_N, seed: int = 0, *,
+             temperature: float = 0.0, max_new_tokens: int = 64, max_tokens: int = 512,
+             on_done: Callable[[Rollout], None] | None = None) -> EvalResult:
+    """Evaluate a model (directory or engine) on the first `n` held-out tasks of `skill`."""
+    if n < 1:
+        raise ValueError("n must be >= 1")
+    engine = model if not isinstance(model, (str, Path)) else HFEngine.load(model)
+    sk = get_skill(skill) if isinstance(skill, str) else skill
+    tasks = sk.tasks.eval_tasks(n)
+    start = time.monotonic()
+    rollouts = run_episodes(engine, sk, tasks, seed, temperature=temperature, max_new_tokens=max_new_tokens,
+                            max_tokens=max_tokens, sample_seed=seed if temperature > 0 else None, on_done=on_done)
+    return summarize(sk.name, rollouts, time.monotonic() - start)

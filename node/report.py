@@ -1,0 +1,111 @@
+"""Plots of a training run from its metrics log: reward, accuracy, staleness and outcome counts (PNG)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from skillswarm.node.metrics import read_metrics
+from skillswarm.node.runstate import METRICS
+from skillswarm.protocol.atomic import atomic_open
+from skillswarm.protocol.errors import TrainError
+
+PLOTS = ("reward", "accuracy", "staleness", "outcomes")
+
+
+def _smooth(values: list[float], window: int = 10) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _save(fig: Any, path: Path) -> Path:
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=110, bbox_inches="tight")
+    return path
+
+
+def summarize_run(run_dir: Path | str) -> dict[str, Any]:
+    """The numbers behind the plots: steps, rewards, evals, staleness histogram, outcome totals."""
+    records = read_metrics(Path(run_dir) / METRICS)
+    steps = [r for r in records if r.get("kind") == "step"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    if not steps and not evals:
+        raise TrainError(f"{run_dir} has no training metrics ({METRICS} is missing or empty); is it a run directory?")
+    staleness: Counter = Counter()
+    outcomes: Counter = Counter()
+    groups: Counter = Counter()
+    for r in steps:
+        staleness.update({int(k): v for k, v in (r.get("staleness") or {}).items()})
+        outcomes.update(r.get("outcomes") or {})
+        groups.update({"ok": r.get("groups", 0), "env_error": r.get("env_error_groups", 0),
+                       "zero_variance": r.get("zero_variance_groups", 0), "stale": r.get("stale_groups", 0)})
+    return {"steps": steps, "evals": evals, "staleness": dict(sorted(staleness.items())), "outcomes": dict(outcomes),
+            "groups": dict(groups)}
+
+
+def write_report(run_dir: Path | str, out_dir: Path | str | None = None) -> list[Path]:
+    """Write reward.png, accuracy.png, staleness.png and outcomes.png into OUT (default RUN_DIR/plots)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run = Path(run_dir)
+    data = summarize_run(run)
+    out = Path(out_dir) if out_dir is not None else run / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    steps = data["steps"]
+    x = [r["step"] for r in steps]
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    rewards = [r.get("reward", 0.0) for r in steps]
+    ax.plot(x, rewards, alpha=0.35, label="reward (per step)")
+    ax.plot(x, _smooth(rewards), label="reward (10-step mean)")
+    ax.set(xlabel="step", ylabel="mean episode reward", title=f"{run.name}: training reward")
+    ax.legend()
+    paths.append(_save(fig, out / "reward.png"))
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(x, _smooth([r.get("accuracy", 0.0) for r in steps]), label="train episodes correct (10-step mean)")
+    if data["evals"]:
+        ax.plot([e["step"] for e in data["evals"]], [e["accuracy"] for e in data["evals"]], "o-", label="held-out accuracy")
+    ax.set(xlabel="step", ylabel="accuracy", ylim=(0, 1), title=f"{run.name}: accuracy")
+    ax.legend()
+    paths.append(_save(fig, out / "accuracy.png"))
+    plt.close(fig)
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    a1.plot(x, [r.get("staleness_mean", 0.0) for r in steps], label="mean")
+    a1.plot(x, [r.get("staleness_max", 0) for r in steps], alpha=0.6, label="max")
+    a1.set(xlabel="step", ylabel="policy versions behind", title="staleness of trained groups")
+    a1.legend()
+    hist = data["staleness"]
+    a2.bar([str(k) for k in hist], list(hist.values()))
+    a2.set(xlabel="staleness", ylabel="groups", title="staleness distribution")
+    paths.append(_save(fig, out / "staleness.png"))
+    plt.close(fig)
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    names = sorted({k for r in steps for k in (r.get("outcomes") or {})})
+    bottom = [0] * len(steps)
+    for name in names:
+        vals = [(r.get("outcomes") or {}).get(name, 0) for r in steps]
+        a1.bar(x, vals, bottom=bottom, label=name, width=1.0)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    a1.set(xlabel="step", ylabel="episodes", title="episode outcomes per step")
+    if names:
+        a1.legend()
+    g = data["groups"]
+    a2.bar(list(g), list(g.values()), color=["tab:green", "tab:red", "tab:gray", "tab:orange"][:len(g)])
+    a2.set(ylabel="groups", title="groups: trained, dropped, filtered")
+    paths.append(_save(fig, out / "outcomes.png"))
+    plt.close(fig)
+    return paths

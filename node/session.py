@@ -1,0 +1,74 @@
+"""What every long-running node command sets up: the network file, the node's key, its DHT peer, its
+checkpoint store and blob store; and a stop event that Ctrl-C and SIGTERM set, so work ends cleanly."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from skillswarm.node.store import CheckpointStore
+from skillswarm.protocol.blobs import BlobStore
+from skillswarm.protocol.errors import NetworkError
+from skillswarm.protocol.identity import Identity
+from skillswarm.protocol.netspec import load_spec
+from skillswarm.protocol.records import NetworkSpec
+
+
+@dataclass
+class NodeSession:
+    """A joined node: spec, identity, DHT peer, local stores."""
+
+    spec: NetworkSpec
+    identity: Identity
+    dht: object  # skillswarm.protocol.dht.SwarmDHT (imported lazily: it pulls in hivemind)
+    store: CheckpointStore
+    blobs: BlobStore
+
+
+def join_addresses(spec: NetworkSpec, peers: Sequence[str] | None) -> list[str]:
+    """Whom to join: --peers, else the network file's bootstrap list; a clear error when neither exists."""
+    joined = list(peers or spec.bootstrap)
+    if not joined:
+        raise NetworkError(f"no peer to join network `{spec.network}`: pass --peers MADDR (printed by "
+                           "`skillswarm net serve`) or list bootstrap peers in the network file")
+    return joined
+
+
+@contextlib.contextmanager
+def open_session(network_file: Path, *, key: Path | None = None, peers: Sequence[str] | None = None,
+                 host: str = "0.0.0.0", port: int = 0, announce: Sequence[str] = (), auto_relay: bool = False,
+                 client_mode: bool = False, ephemeral_key: bool = False) -> Iterator[NodeSession]:
+    """Load the spec and key, start the DHT peer, serve the blob store; shut everything down on exit."""
+    from skillswarm.protocol.dht import SwarmDHT
+
+    spec = load_spec(network_file)
+    identity = Identity.generate() if ephemeral_key else Identity.load_or_create(key)
+    dht = SwarmDHT(spec.network, identity, host=host, port=port, initial_peers=join_addresses(spec, peers),
+                   announce_maddrs=announce, use_auto_relay=auto_relay, client_mode=client_mode)
+    with dht:
+        blobs = BlobStore()
+        if not client_mode:
+            dht.serve_blobs(blobs)
+        yield NodeSession(spec, identity, dht, CheckpointStore(spec.network), blobs)
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[threading.Event]:
+    """An event set by the first Ctrl-C or SIGTERM (a second Ctrl-C interrupts at once)."""
+    stop = threading.Event()
+
+    def handler(signum: int, _frame: object) -> None:
+        if stop.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        stop.set()
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

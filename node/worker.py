@@ -1,0 +1,168 @@
+"""The worker role: join, pull the latest trusted checkpoint, train a round of GRPO on one skill shard,
+publish the delta (signed DeltaManifest + a blob it serves), wait for the next checkpoint, repeat.
+
+A worker's progress lives in a small state file beside its checkpoints, so a restarted worker
+re-announces a delta it already published instead of training the round again, and resumes an
+interrupted training run from its last run checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from skillswarm.node.pull import pull, wait_for_checkpoint
+from skillswarm.node.store import CheckpointStore
+from skillswarm.protocol.atomic import atomic_write_text
+from skillswarm.protocol.blobs import BlobStore
+from skillswarm.protocol.codec import decode_record, encode_record
+from skillswarm.protocol.errors import RecordError, SpecError
+from skillswarm.protocol.hardware import probe_hardware
+from skillswarm.protocol.identity import Identity
+from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, NetworkSpec, SkillStats, TrainStats
+
+log = logging.getLogger(__name__)
+
+DELTA_TTL = 24 * 3600.0
+STATS_TTL = 300.0
+
+
+@dataclass
+class WorkerOptions:
+    """How this worker trains (defaults come from the network's round policy)."""
+
+    skill: str
+    engine: str = "hf"
+    lora: bool = False
+    steps_per_round: int | None = None
+    train: dict[str, Any] = field(default_factory=dict)  # extra TrainConfig fields (group_size, lr, threads, ...)
+    progress: bool = False
+
+
+class Worker:
+    """One worker on one skill of one network; `run()` loops over rounds until `stop` or `max_rounds`."""
+
+    def __init__(self, spec: NetworkSpec, identity: Identity, dht, store: CheckpointStore, blobs: BlobStore,
+                 options: WorkerOptions, on_event: Callable[[str, dict], None] | None = None) -> None:
+        if options.skill not in spec.skills:
+            raise SpecError(f"skill `{options.skill}` is not one of network {spec.network}'s skills "
+                            f"({', '.join(spec.skills)}); pick one of those")
+        self.spec, self.identity, self.dht, self.store, self.blobs, self.opt = spec, identity, dht, store, blobs, options
+        self.on_event = on_event or (lambda kind, data: None)
+        self.state = "starting"
+        self.version: int | None = None
+        self._state_file = store.root / f"worker-{options.skill}.json"
+        self._stats: TrainStats | None = None
+        self._last_stats_put = 0.0
+
+    # ---- announcements ------------------------------------------------------------------------------
+    def start_heartbeat(self, interval: float = 10.0) -> None:
+        """Announce this worker (role, skill, engine, hardware, version, state) until the DHT stops."""
+        hardware = probe_hardware()
+        self.dht.start_heartbeat(
+            lambda: self.dht.make_peer_record(role="worker", skills=[self.opt.skill], engine=self.opt.engine,
+                                              hardware=hardware, checkpoint_version=self.version, state=self.state),
+            interval=interval, ttl=3 * interval)
+
+    def _put_stats(self, stats: TrainStats, force: bool = False) -> None:
+        if self.version is None or (not force and time.monotonic() - self._last_stats_put < 10.0):
+            return
+        self._last_stats_put = time.monotonic()
+        self.dht.put(SkillStats(network=self.spec.network, skill=self.opt.skill, checkpoint_version=self.version,
+                                stats=stats), STATS_TTL)
+
+    # ---- local state --------------------------------------------------------------------------------
+    def _published(self, version: int) -> DeltaManifest | None:
+        """The delta this worker already published for `version` (from its state file), if any."""
+        try:
+            state = json.loads(self._state_file.read_text())
+            manifest = decode_record(bytes.fromhex(state["delta_manifest"]), DeltaManifest)
+        except (FileNotFoundError, KeyError, ValueError, RecordError):
+            return None
+        ok = manifest.base_version == version and manifest.author == self.identity.public_key_hex
+        return manifest if ok and self.blobs.has(manifest.blob) else None
+
+    def _remember(self, manifest: DeltaManifest) -> None:
+        atomic_write_text(self._state_file, json.dumps({"version": manifest.base_version,
+                                                        "delta_manifest": encode_record(manifest).hex()}) + "\n")
+
+    # ---- one round ----------------------------------------------------------------------------------
+    def publish(self, manifest: DeltaManifest) -> None:
+        """Serve the delta's blob and keep its manifest in the DHT."""
+        self.dht.provide(manifest.blob, store=self.blobs)
+        self.dht.put(manifest, DELTA_TTL, keep=True)
+        self.on_event("published", {"version": manifest.base_version, "blob": manifest.blob,
+                                    "accuracy_before": manifest.stats.accuracy_before,
+                                    "accuracy_after": manifest.stats.accuracy_after})
+
+    def train_round(self, current: CheckpointManifest, stop: threading.Event) -> DeltaManifest | None:
+        """Train on the shard from `current`, encode the delta, publish it; None when stopped early."""
+        from skillswarm.merge import compute_delta
+        from skillswarm.node.train import TrainConfig, train
+
+        base_dir = self.store.path(current.version)
+        run_dir = self.store.root / "runs" / f"{self.opt.skill}-v{current.version}"
+        steps = self.opt.steps_per_round or self.spec.round.steps_per_round
+        self.state = "training"
+        settings = {"eval_every": 0, "eval_n": 64, "save_every": 10, **self.opt.train}
+        cfg = TrainConfig(model_dir=base_dir, skill=self.opt.skill, steps=steps, out_dir=run_dir, lora=self.opt.lora,
+                          engine=self.opt.engine, resume=run_dir.exists(), codec=None, **settings)
+
+        def on_step(metrics: dict) -> None:
+            self._put_stats(TrainStats(steps=int(metrics.get("step", 0)), samples=int(metrics.get("samples", 0)),
+                                       mean_reward=float(metrics.get("reward", 0.0)), engine=self.opt.engine,
+                                       lora=self.opt.lora))
+
+        result = train(cfg, progress=self.opt.progress, on_step=on_step, stop=stop)
+        if stop.is_set() and result.stats.steps < steps:
+            return None
+        self.state = "publishing"
+        delta_path = run_dir / "delta.safetensors"
+        info = compute_delta(base_dir, result.model_dir, delta_path, self.spec.codec, base_hash=current.weights_hash,
+                             skill=self.opt.skill)
+        sha = self.blobs.add_file(delta_path, move=True)
+        manifest = self.identity.sign_record(DeltaManifest(
+            network=self.spec.network, skill=self.opt.skill, base_version=current.version,
+            base_hash=current.weights_hash, blob=sha, size=info.size, codec=self.spec.codec,
+            codec_params=dict(info.params), norm=info.norm, num_tensors=info.num_tensors, stats=result.stats))
+        self._remember(manifest)
+        self.publish(manifest)
+        self._put_stats(result.stats, force=True)
+        log.info("published delta for v%d (%s, accuracy %s -> %s)", current.version, sha[:12],
+                 result.stats.accuracy_before, result.stats.accuracy_after)
+        return manifest
+
+    def run(self, stop: threading.Event | None = None, max_rounds: int | None = None,
+            wait_timeout: float | None = None) -> int:
+        """Rounds until `stop` is set, `max_rounds` deltas are published (then it waits for, and pulls, the
+        checkpoint that merges the last one, serving its delta meanwhile), or no new checkpoint comes within
+        `wait_timeout` seconds; returns the number of rounds it contributed to."""
+        stop = stop or threading.Event()
+        self.store.clean_staging()
+        published, newer_than = 0, -1
+        while not stop.is_set():
+            self.state = "idle"
+            current = wait_for_checkpoint(self.dht, self.spec, newer_than=newer_than, timeout=wait_timeout, stop=stop)
+            if current is None:
+                break
+            self.state = "pulling"
+            pull(self.dht, self.spec, current, self.store, self.blobs, progress=self.opt.progress)
+            self.version = current.version
+            self.on_event("pulled", {"version": current.version})
+            if max_rounds is not None and published >= max_rounds:
+                break
+            done = self._published(current.version)
+            if done is not None:
+                log.info("already published a delta for v%d; announcing it again", current.version)
+                self.publish(done)
+            elif self.train_round(current, stop) is None:
+                break
+            published += 1
+            newer_than = current.version
+        self.state = "idle"
+        return published

@@ -1,0 +1,1 @@
+"""The built-in skills: `arith`, `reverse`, `sort` (single turn) and `calc` (multi-turn, calculator tool)."""

@@ -1,0 +1,150 @@
+"""The nano model's supervised warm-up: demonstrations of every built-in skill, played by each skill's
+reference player through the real environment (tool turns included), rendered by the chat template,
+trained on the model's tokens only.
+
+Deliberately partial: the model should be partly competent on every skill, so that RL has room to
+improve it. Tiny models learn these skills in sudden jumps, at different times, so a fixed step count
+would leave one skill at 0% and another at 95%. Instead a controller watches each skill's accuracy on a
+validation set drawn from the *train* split (held out from the warm-up data; the eval split is never
+seen) and stops training a skill once it reaches `target_accuracy`, resuming it if it falls below
+`floor_accuracy`; the warm-up ends when every skill is paused, or after `steps`. Accuracy is measured
+teacher-forced: a demonstration counts as solved when the model's argmax is right at every one of its
+tokens, which is exactly when greedy decoding would replay it (the environments are deterministic).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from typing import Any, Callable
+
+import torch
+
+from skillswarm.skills.chat import episode_tokens
+from skillswarm.skills.nano.recipe import NanoRecipe
+from skillswarm.skills.skill import Skill
+from skillswarm.skills.taskbank import Task
+
+log = logging.getLogger(__name__)
+
+# step, max steps, {"loss": ..., "<skill>": validation accuracy, ...}
+Progress = Callable[[int, int, dict[str, float]], None]
+
+
+def make_model(recipe: NanoRecipe, tokenizer: Any) -> torch.nn.Module:
+    """A freshly initialised small LlamaForCausalLM (weights from torch's global seed)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=recipe.hidden_size, num_hidden_layers=recipe.layers,
+        num_attention_heads=recipe.heads, num_key_value_heads=recipe.heads, intermediate_size=recipe.intermediate_size,
+        max_position_embeddings=recipe.max_positions, tie_word_embeddings=True, rope_theta=10000.0,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )
+    return LlamaForCausalLM(config)
+
+
+def collate(skill: Skill, tokenizer: Any, tasks: list[Task], rng: random.Random) -> dict[str, torch.Tensor]:
+    """Demonstrations of `tasks`, right-padded; labels are -100 off the model's tokens."""
+    seqs = [episode_tokens(tokenizer, skill.demonstration(t, seed=rng.randrange(2**31)).messages) for t in tasks]
+    width = max(len(ids) for ids, _ in seqs)
+    input_ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
+    labels = torch.full((len(seqs), width), -100, dtype=torch.long)
+    attention = torch.zeros((len(seqs), width), dtype=torch.long)
+    for row, (ids, mask) in enumerate(seqs):
+        t = torch.tensor(ids)
+        input_ids[row, : len(ids)] = t
+        attention[row, : len(ids)] = 1
+        labels[row, : len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), t, torch.tensor(-100))
+    return {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
+
+
+def solved(model: torch.nn.Module, data: dict[str, torch.Tensor]) -> float:
+    """Share of demonstrations whose every model token is the model's argmax (= greedy replays them)."""
+    with torch.no_grad():
+        pred = model(input_ids=data["input_ids"], attention_mask=data["attention_mask"]).logits[:, :-1].argmax(-1)
+    labels = data["labels"][:, 1:]
+    return ((pred == labels) | (labels == -100)).all(-1).float().mean().item()
+
+
+def lr_at(step: int, recipe: NanoRecipe) -> float:
+    """Linear warm-up, then cosine decay to `min_lr_ratio` of the peak at `recipe.steps`."""
+    if step < recipe.warmup_steps:
+        return recipe.lr * (step + 1) / recipe.warmup_steps
+    progress = (step - recipe.warmup_steps) / max(1, recipe.steps - recipe.warmup_steps)
+    return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def rows_per_skill(recipe: NanoRecipe) -> list[int]:
+    """Rows per skill in each step's batch: `batch_size` split by `weights` (at least one each)."""
+    total = sum(recipe.weights)
+    return [max(1, round(recipe.batch_size * w / total)) for w in recipe.weights]
+
+
+class _SkillData:
+    """One skill's validation set (train split, fixed) and its training stream (never the validation tasks)."""
+
+    def __init__(self, skill: Skill, tokenizer: Any, recipe: NanoRecipe, rng: random.Random) -> None:
+        self.skill, self.tokenizer, self.rng = skill, tokenizer, rng
+        val_tasks = skill.tasks.train_tasks(recipe.val_tasks, seed=rng.randrange(2**31))
+        self.val_ids = {t.id for t in val_tasks}
+        self.val = collate(skill, tokenizer, val_tasks, rng)
+        self.active = True
+
+    def sample(self, n: int) -> dict[str, torch.Tensor]:
+        tasks: list[Task] = []
+        while len(tasks) < n:
+            task = self.skill.tasks.sample(self.rng)
+            if task.id not in self.val_ids:
+                tasks.append(task)
+        return collate(self.skill, self.tokenizer, tasks, self.rng)
+
+
+def warm_up(model: torch.nn.Module, tokenizer: Any, skills: list[Skill], recipe: NanoRecipe,
+            progress: Progress | None = None) -> dict[str, Any]:
+    """Train `model` in place (see the module docstring); returns the steps taken, the last loss and
+    the validation accuracy of each skill.
+
+    A step covers every active skill: one micro-batch per skill (their lengths differ a lot, so no
+    padding across skills), gradients accumulated with the skill's weight, one optimizer step."""
+    rng = random.Random(recipe.seed)
+    data = [_SkillData(s, tokenizer, recipe, random.Random(rng.randrange(2**31))) for s in skills]
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.98))
+    rows = rows_per_skill(recipe)
+    scale = [w / sum(recipe.weights) for w in recipe.weights]
+    accuracy = {s.name: 0.0 for s in skills}
+    loss_value, step = float("nan"), 0
+    model.train()
+    while step < recipe.steps and any(d.active for d in data):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, recipe)
+        opt.zero_grad(set_to_none=True)
+        loss_value = 0.0
+        for d, n, w in zip(data, rows, scale):
+            if d.active:
+                loss = model(**d.sample(n)).loss * w
+                loss.backward()
+                loss_value += loss.detach().item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+        opt.step()
+        step += 1
+        if step % recipe.check_every == 0 or step == recipe.steps:
+            model.eval()
+            for d in data:
+                accuracy[d.skill.name] = solved(model, d.val)
+                if d.active and accuracy[d.skill.name] >= recipe.target_accuracy:
+                    d.active = False
+                elif not d.active and accuracy[d.skill.name] < recipe.floor_accuracy:
+                    d.active = True
+            model.train()
+            log.debug("warm-up step %d: loss %.4f, accuracy %s", step, loss_value, accuracy)
+        if progress is not None:
+            progress(step, recipe.steps, {"loss": loss_value, **accuracy})
+    model.eval()
+    if progress is not None:
+        progress(recipe.steps, recipe.steps, {"loss": loss_value, **accuracy})
+    return {"steps": step, "final_loss": round(loss_value, 5), "validation_accuracy": accuracy}

@@ -1,0 +1,118 @@
+"""The nano base model: tokenizer round-trip and chat template, warm-up data rendering, a
+deterministic and cached build, Auto* loading, and `skillswarm base build`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from skillswarm.protocol.errors import ModelError
+from skillswarm.protocol.hashing import weights_hash
+from skillswarm.skills.chat import episode_tokens, render
+from skillswarm.skills.episode import Message
+from skillswarm.skills.nano.build import build_base, build_info, cached_path
+from skillswarm.skills.nano.recipe import DEFAULT_RECIPE, NanoRecipe
+from skillswarm.skills.nano.tokenizer import CHARS, build_tokenizer
+from skillswarm.skills.registry import get_skill
+from skillswarm.skills.toolcall import PROTOCOL_TOKENS
+from tests.conftest import run_cli
+
+# A model small enough to build in a second: the same code path as the default recipe.
+TINY = NanoRecipe(steps=3, batch_size=4, hidden_size=32, layers=1, heads=2, intermediate_size=64, max_positions=256)
+
+
+@pytest.fixture(scope="module")
+def tok():  # noqa: ANN201
+    return build_tokenizer()
+
+
+def test_tokenizer_round_trips_text_one_token_per_character(tok) -> None:  # noqa: ANN001
+    text = 'Hi there!\n<tool name="calc">12*7</tool> ~`{}|\\ "quoted"> <answer>84</answer>'
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text
+    assert all(len(tok.encode(c, add_special_tokens=False)) == 1 for c in CHARS)
+    for tag in PROTOCOL_TOKENS:  # the protocol's tags are single tokens a tiny model writes in one step
+        assert tok.convert_ids_to_tokens(tok.encode(tag, add_special_tokens=False)) == [tag]
+    assert tok.convert_ids_to_tokens(tok.encode("é", add_special_tokens=False)) == ["<|unk|>"]
+    assert build_tokenizer().get_vocab() == tok.get_vocab()
+
+
+def test_chat_template_renders_every_role(tok, tmp_path: Path) -> None:  # noqa: ANN001
+    messages = [Message("system", "S"), Message("user", "U"), Message("assistant", "A"), Message("tool", "T")]
+    expected = "<|system|>S<|end|><|user|>U<|end|><|assistant|>A<|end|><|tool|>T<|end|>"
+    assert render(tok, messages) == expected
+    assert render(tok, messages, add_generation_prompt=True) == expected + "<|assistant|>"
+    with pytest.raises(Exception, match="unknown role"):
+        tok.apply_chat_template([{"role": "robot", "content": "x"}], tokenize=False)
+    tok.save_pretrained(tmp_path)
+    from transformers import AutoTokenizer
+
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    assert render(again, messages, add_generation_prompt=True) == expected + "<|assistant|>"
+    assert again.eos_token == "<|end|>" and again.pad_token == "<|pad|>"
+
+
+def test_warm_up_data_is_the_environment_rendering_with_model_tokens_masked(tok) -> None:  # noqa: ANN001
+    skill = get_skill("calc")
+    task = next(t for t in skill.tasks.train_tasks(20, seed=0) if t.data["tail"])
+    ep = skill.demonstration(task)
+    ids, mask = episode_tokens(tok, ep.messages)
+    assert tok.decode(ids) == render(tok, ep.messages)
+    model_part = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert model_part == "".join(m.content + "<|end|>" for m in ep.messages if m.role == "assistant")
+    assert "<result>" in tok.decode([i for i, m in zip(ids, mask) if not m])  # tool turns are there, masked
+
+
+def test_build_is_deterministic_from_the_seed(tmp_path: Path) -> None:
+    a = build_base(tmp_path / "a", recipe=TINY, cache=False)
+    b = build_base(tmp_path / "b", recipe=TINY, cache=False)
+    c = build_base(tmp_path / "c", recipe=TINY, seed=1, cache=False)
+    assert weights_hash(a) == weights_hash(b) != weights_hash(c)
+    info = build_info(a)
+    assert info["recipe_hash"] == TINY.hash() and info["weights_hash"] == weights_hash(a)
+    assert TINY.hash() != TINY.with_(seed=1).hash() != DEFAULT_RECIPE.hash()
+
+
+def test_build_is_cached_by_recipe_hash(isolated_home: Path, tmp_path: Path) -> None:
+    path = build_base(recipe=TINY)
+    assert path == cached_path(TINY) and path.is_relative_to(isolated_home) and TINY.hash()[:16] in path.name
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert build_base(recipe=TINY) == path and (path / "model.safetensors").stat().st_mtime_ns == stamp
+    copy = build_base(tmp_path / "copy", recipe=TINY)
+    assert weights_hash(copy) == weights_hash(path) and (path / "model.safetensors").stat().st_mtime_ns == stamp
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    with pytest.raises(ModelError, match="not a nano model build"):
+        build_base(tmp_path / "taken", recipe=TINY)
+
+
+@pytest.mark.slow
+def test_nano_model_loads_with_auto_classes(nano_model: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(nano_model)
+    tok = AutoTokenizer.from_pretrained(nano_model)
+    assert model.config.model_type == "llama" and model.config.eos_token_id == tok.eos_token_id
+    assert 100_000 < sum(p.numel() for p in model.parameters()) < 10_000_000
+    prompt = tok.apply_chat_template([{"role": "user", "content": "12+7"}], tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)])
+    out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert out.shape[1] > ids.shape[1]
+    assert json.loads((nano_model / "nano_recipe.json").read_text())["parameters"] == model.num_parameters()
+
+
+@pytest.mark.slow
+def test_base_build_cli(tmp_path: Path) -> None:
+    out = tmp_path / "nano"
+    first = json.loads(run_cli("base", "build", "--out", str(out), "--steps", "2", "--json", timeout=300).stdout)
+    assert first["cached"] is False and Path(first["path"]) == out and first["weights_hash"] == weights_hash(out)
+    again = json.loads(run_cli("base", "build", "--steps", "2", "--json").stdout)
+    assert again["cached"] is True and again["weights_hash"] == first["weights_hash"]
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "x").write_text("x")
+    proc = run_cli("base", "build", "--out", str(taken), "--steps", "2", check=False)
+    assert proc.returncode == 1 and "not a nano model build" in proc.stderr
