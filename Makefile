@@ -21,11 +21,10 @@ install: $(BIN)/skillswarm
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# Until `skillswarm demo` lands (issue 7) this runs the most complete real thing that exists, and says so.
+# The whole swarm on 127.0.0.1 on the nano model (built and cached on first use); see README.
+DEMO_ARGS ?=
 demo: install
-	@echo "skillswarm demo is not built yet; showing what exists: this node's identity and the CLI."
-	$(BIN)/skillswarm id
-	$(BIN)/skillswarm --help
+	$(BIN)/skillswarm demo $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from skillswarm.node import failpoints
-from skillswarm.node.pull import find_checkpoint, local_base, pull
+from skillswarm.node.pull import find_checkpoint, local_base, pull, share
 from skillswarm.node.store import CheckpointStore, checkpoint_files
 from skillswarm.protocol.blobs import BlobStore
 from skillswarm.protocol.errors import SkillswarmError, SpecError
@@ -108,14 +108,12 @@ class Coordinator:
 
     # ---- publishing ---------------------------------------------------------------------------------
     def publish(self, manifest: CheckpointManifest) -> None:
-        """Serve a committed version's files (and merged delta) and keep its manifest in the DHT."""
-        ckpt = self.store.path(manifest.version)
-        for f in manifest.files:
-            if not self.blobs.has(f.sha256):
-                self.blobs.add_file(ckpt / f.path)
-            self.dht.provide(f.sha256, store=self.blobs)
-        if manifest.merged_delta is not None and self.blobs.has(manifest.merged_delta.sha256):
-            self.dht.provide(manifest.merged_delta.sha256, store=self.blobs)
+        """Serve a committed version's files, merged delta and included deltas (so anyone can recompute the
+        merge), and keep its manifest in the DHT."""
+        share(self.dht, self.store, self.blobs, manifest)
+        for ref in manifest.included:
+            if self.blobs.has(ref.blob):
+                self.dht.provide(ref.blob, store=self.blobs)
         self.dht.put(manifest, MANIFEST_TTL, keep=True)
         log.info("published checkpoint v%d (%s)", manifest.version, manifest.weights_hash[:12])
         self.on_event("published", {"version": manifest.version, "weights_hash": manifest.weights_hash})
@@ -136,7 +134,7 @@ class Coordinator:
                                 "local directory; the first coordinator needs the base model on disk")
             genesis = genesis_manifest(self.spec, self.identity, base)
             for f in genesis.files:
-                self.blobs.add_file(base / f.path)
+                self.blobs.add_file(base / f.path)  # a copy: the user may edit their base dir
             self.store.assemble(genesis, self.blobs)
             self.publish(genesis)
             current = genesis

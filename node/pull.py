@@ -82,7 +82,7 @@ def _from_local_base(manifest: CheckpointManifest, base: Path, store: Checkpoint
         raise HashMismatchError("file list or hashes differ")
     for f in manifest.files:
         if not blobs.has(f.sha256):
-            blobs.add_file(base / f.path)
+            blobs.add_file(base / f.path)  # a copy: the user may edit their base dir
     return store.assemble(manifest, blobs)
 
 
@@ -138,3 +138,18 @@ def export(store: CheckpointStore, version: int, out: Path) -> Path:
         shutil.rmtree(out)
     tmp.rename(out)
     return out
+
+
+SHARE_TTL = 120.0  # short: a node that leaves stops being offered to fetchers soon
+
+
+def share(dht: "SwarmDHT", store: CheckpointStore, blobs: BlobStore, manifest: CheckpointManifest) -> None:
+    """Serve the files of a local version (and its merged delta when held), so pulls spread over every
+    node that has it instead of all hitting the coordinator."""
+    ckpt = store.path(manifest.version)
+    for f in manifest.files:
+        if not blobs.has(f.sha256):
+            blobs.add_file(ckpt / f.path, link=True)
+        dht.provide(f.sha256, store=blobs, ttl=SHARE_TTL)
+    if manifest.merged_delta is not None and blobs.has(manifest.merged_delta.sha256):
+        dht.provide(manifest.merged_delta.sha256, store=blobs, ttl=SHARE_TTL)

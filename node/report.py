@@ -24,6 +24,12 @@ def _smooth(values: list[float], window: int = 10) -> list[float]:
     return out
 
 
+def _bins(steps: list[dict[str, Any]], count: int = 60) -> list[list[dict[str, Any]]]:
+    """Consecutive step records in at most `count` bins (bars stay readable over thousands of steps)."""
+    size = max(1, -(-len(steps) // count))
+    return [steps[i:i + size] for i in range(0, len(steps), size)]
+
+
 def _save(fig: Any, path: Path) -> Path:
     with atomic_open(path, "wb") as f:
         fig.savefig(f, format="png", dpi=110, bbox_inches="tight")
@@ -95,14 +101,20 @@ def write_report(run_dir: Path | str, out_dir: Path | str | None = None) -> list
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     names = sorted({k for r in steps for k in (r.get("outcomes") or {})})
-    bottom = [0] * len(steps)
+    bins = _bins(steps)
+    left = [b[0]["step"] for b in bins]
+    width = [max(1, b[-1]["step"] - b[0]["step"] + 1) for b in bins]
+    totals = [sum(sum((r.get("outcomes") or {}).values()) for r in b) or 1 for b in bins]
+    bottom = [0.0] * len(bins)
     for name in names:
-        vals = [(r.get("outcomes") or {}).get(name, 0) for r in steps]
-        a1.bar(x, vals, bottom=bottom, label=name, width=1.0)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    a1.set(xlabel="step", ylabel="episodes", title="episode outcomes per step")
+        share = [sum((r.get("outcomes") or {}).get(name, 0) for r in b) / t for b, t in zip(bins, totals)]
+        a1.bar(left, share, width=width, bottom=bottom, align="edge", label=name)
+        bottom = [x + y for x, y in zip(bottom, share)]
+    correct = [sum(r.get("accuracy", 0.0) * r.get("episodes", 0) for r in b) / t for b, t in zip(bins, totals)]
+    a1.plot([x + w / 2 for x, w in zip(left, width)], correct, "k.-", label="correct")
+    a1.set(xlabel="step", ylabel="share of episodes", ylim=(0, 1.05), title="episode outcomes")
     if names:
-        a1.legend()
+        a1.legend(fontsize="small")
     g = data["groups"]
     a2.bar(list(g), list(g.values()), color=["tab:green", "tab:red", "tab:gray", "tab:orange"][:len(g)])
     a2.set(ylabel="groups", title="groups: trained, dropped, filtered")

@@ -50,21 +50,21 @@ class TrainConfig:
 
     model_dir: Path
     skill: str
-    steps: int = 200
+    steps: int = 1000
     out_dir: Path = Path("runs/train")
     lora: bool = False
     lora_rank: int = 8
     lora_alpha: float = 16.0
-    group_size: int = 8
-    batch: int = 4
+    group_size: int = 16
+    batch: int = 8
     max_staleness: int = 2
     loss: str = "grpo"
     eps_low: float = 0.2
     eps_high: float = 0.28
     tis_cap: float = 2.0
     beta: float = 0.0
-    lr: float = 1e-4
-    warmup_steps: int = 0
+    lr: float = 2e-4
+    warmup_steps: int = 20
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     micro_batch: int = 64
@@ -105,6 +105,8 @@ class TrainConfig:
             problems.append("max_staleness, eval_every, eval_n and save_every must be >= 0, queue_depth >= 1")
         if self.max_minutes is not None and self.max_minutes <= 0:
             problems.append("max_minutes must be > 0")
+        if self.threads is not None and self.threads < 1:
+            problems.append("threads must be >= 1")
         if self.temperature <= 0:
             problems.append("temperature must be > 0 (RL samples)")
         if not (self.model_dir / "config.json").is_file():
@@ -135,18 +137,18 @@ class TrainConfig:
         return "thread" if on_gpu else "process"
 
     def loss_config(self) -> LossConfig:
-        return LossConfig(variant=self.loss, eps_low=self.eps_low, eps_high=self.eps_high, tis_cap=self.tis_cap,  # type: ignore[arg-type]
-                          beta=self.beta, max_tokens=self.max_new_tokens)
+        return LossConfig(variant=self.loss, eps_low=self.eps_low, eps_high=self.eps_high,  # type: ignore[arg-type]
+                          tis_cap=self.tis_cap, beta=self.beta, max_tokens=self.max_new_tokens)
 
     def optim_config(self) -> OptimConfig:
-        return OptimConfig(lr=self.lr, warmup_steps=self.warmup_steps, weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm,
-                           micro_batch=self.micro_batch, mini_batches=self.mini_batches, temperature=self.temperature,
-                           lora=self.lora, lora_rank=self.lora_rank, lora_alpha=self.lora_alpha)
+        return OptimConfig(lr=self.lr, warmup_steps=self.warmup_steps, weight_decay=self.weight_decay,
+                           max_grad_norm=self.max_grad_norm, micro_batch=self.micro_batch, mini_batches=self.mini_batches,
+                           temperature=self.temperature, lora=self.lora, lora_rank=self.lora_rank, lora_alpha=self.lora_alpha)
 
     def rollout_config(self) -> RolloutConfig:
         return RolloutConfig(group_size=self.group_size, groups_per_batch=self.batch, temperature=self.temperature,
-                             max_new_tokens=self.max_new_tokens, max_tokens=self.max_tokens, variant=self.loss,  # type: ignore[arg-type]
-                             seed=self.seed)
+                             max_new_tokens=self.max_new_tokens, max_tokens=self.max_tokens,
+                             variant=self.loss, seed=self.seed)  # type: ignore[arg-type]
 
     def settings(self) -> dict[str, Any]:
         """JSON-able settings (run.json)."""
@@ -296,7 +298,7 @@ class _Run:
                 break
             t1 = time.monotonic()
             metrics = await asyncio.to_thread(trainer.step, data.groups)
-            self.publish(trainer.engine_weights(), trainer.version)
+            self.publish(trainer.engine_weights(clone=self.mode != "process"), trainer.version)  # shared memory copies
             t2 = time.monotonic()
             self.state["step"] += 1
             self.state["seconds"] += t2 - t0

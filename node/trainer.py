@@ -197,12 +197,13 @@ class Trainer:
             if isinstance(module, LoraLayer):
                 yield name.removeprefix(prefix), module
 
-    def engine_weights(self) -> dict[str, torch.Tensor]:
+    def engine_weights(self, clone: bool = True) -> dict[str, torch.Tensor]:
         """The weights an inference engine needs now, named as in the plain HF model: every tensor
-        (full fine-tuning) or the LoRA-targeted weights with the adapter merged in (detached copies)."""
+        (full fine-tuning) or the LoRA-targeted weights with the adapter merged in. `clone=False` returns
+        the live tensors of full fine-tuning (for a consumer that copies them at once)."""
         with torch.no_grad():
             if not self.optim_cfg.lora:
-                return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+                return {k: v.detach().clone() if clone else v.detach() for k, v in self.model.state_dict().items()}
             return {f"{name}.weight": (m.base_layer.weight + m.get_delta_weight("default")).detach().clone()
                     for name, m in self._lora_layers()}
 

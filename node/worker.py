@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from skillswarm.node.pull import pull, wait_for_checkpoint
+from skillswarm.node.pull import pull, share, wait_for_checkpoint
 from skillswarm.node.store import CheckpointStore
 from skillswarm.protocol.atomic import atomic_write_text
 from skillswarm.protocol.blobs import BlobStore
@@ -152,6 +152,7 @@ class Worker:
                 break
             self.state = "pulling"
             pull(self.dht, self.spec, current, self.store, self.blobs, progress=self.opt.progress)
+            share(self.dht, self.store, self.blobs, current)
             self.version = current.version
             self.on_event("pulled", {"version": current.version})
             if max_rounds is not None and published >= max_rounds:

@@ -60,13 +60,23 @@ class BlobStore:
         except FileNotFoundError:
             raise BlobError(f"blob {sha[:12]} is not in {self.root}") from None
 
-    def add_file(self, path: Path | str, *, move: bool = False) -> str:
+    def add_file(self, path: Path | str, *, move: bool = False, link: bool = False) -> str:
         """Hash a file into the store and return its sha256. `move=True` renames it in (same filesystem,
-        no copy) instead of copying it; the source is then gone."""
+        no copy) instead of copying it; the source is then gone. `link=True` hard-links it in (same
+        filesystem; for files that are only ever replaced, never modified in place, like checkpoints)."""
         src = Path(path)
         if not src.is_file():
             raise BlobError(f"{src} is not a file")
-        if move and os.stat(src).st_dev == os.stat(self.root).st_dev:
+        same_fs = os.stat(src).st_dev == os.stat(self.root).st_dev
+        if link and same_fs:
+            sha = sha256_file(src)
+            if not self.has(sha):
+                try:
+                    os.link(src, self.path(sha))
+                except FileExistsError:
+                    pass
+            return sha
+        if move and same_fs:
             sha = sha256_file(src)
             if self.has(sha):
                 src.unlink()

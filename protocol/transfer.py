@@ -373,7 +373,7 @@ async def fetch_blob(
                 usable.remove(src)
                 continue
             except _Transient as e:
-                logger.info("blob %s from %s: %s", sha[:12], src.peer_id[:16], e)
+                logger.debug("blob %s from %s: %s", sha[:12], src.peer_id[:16], e)
                 usable.append(usable.pop(0))
                 if part.offset > before:  # it delivered something: resume at once, from the next provider
                     contributors.add(src.peer_id)

@@ -67,8 +67,10 @@ def test_a_killed_run_resumes_with_the_same_optimizer_state(nano_model: Path, tm
 
 def test_async_run_overlaps_generation_and_writes_model_and_delta(nano_model: Path, tmp_path: Path) -> None:
     records: list[dict] = []
+    # a slow trainer (4 optimizer steps per batch, one sequence per pass) so the generator runs ahead of it
     result = train(TrainConfig(model_dir=nano_model, steps=5, out_dir=tmp_path / "run", save_every=2, max_staleness=3,
-                               async_mode="process", **FAST), progress=False, on_step=records.append)
+                               async_mode="process", mini_batches=4, micro_batch=1, **FAST),
+                   progress=False, on_step=records.append)
     assert not multiprocessing.active_children()  # the generator process is gone
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5] and all(r["mode"] == "process" for r in records)
     staleness = [int(k) for r in records for k in r["staleness"]]

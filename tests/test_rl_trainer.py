@@ -136,3 +136,14 @@ def test_groups_replay_the_same_tasks_and_seeds(engine: HFEngine) -> None:
     a, b = orch.generate_batch(7), orch.generate_batch(7)
     assert [s.token_ids for g in a.groups for s in g.samples] == [s.token_ids for g in b.groups for s in g.samples]
     assert all(isinstance(s, Sample) and s.loss_mask[0] == 0 for g in a.groups for s in g.samples)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_kl_to_the_starting_policy(nano_model: Path, batch: list[Group], lora: bool) -> None:
+    model, tok = load_model_dir(nano_model)
+    trainer = Trainer(model, tok.pad_token_id, LossConfig(variant="dapo", beta=0.1),
+                      OptimConfig(lr=1e-3 if lora else 1e-4, lora=lora, lora_rank=2))
+    first = trainer.step(batch)
+    second = trainer.step(batch)
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy still is the reference
+    assert second["kl"] > 0  # one step later it has moved away from it, and the penalty sees it

@@ -10,7 +10,7 @@ from rich.logging import RichHandler
 
 from skillswarm.node.cli import ident, merge_cmd, net
 from skillswarm.node.cli import base_cmd, eval_cmd, skills_cmd
-from skillswarm.node.cli import coordinator_cmd, net_inspect, node_cmd, pull_cmd  # noqa: F401 (net_inspect adds `net` commands)
+from skillswarm.node.cli import coordinator_cmd, demo_cmd, net_inspect, node_cmd, pull_cmd  # noqa: F401 (net_inspect adds `net` commands)
 from skillswarm.node.cli import report_cmd, train_cmd
 from skillswarm.node.cli.common import console, err_console
 from skillswarm.protocol.errors import SkillswarmError
@@ -33,6 +33,7 @@ app.command("eval")(eval_cmd.eval_cmd)
 app.add_typer(node_cmd.app, name="node")
 app.add_typer(coordinator_cmd.app, name="coordinator")
 app.command("pull")(pull_cmd.pull_cmd)
+app.command("demo")(demo_cmd.demo_cmd)
 app.command("train")(train_cmd.train_cmd)
 app.command("report")(report_cmd.report_cmd)
 

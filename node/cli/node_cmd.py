@@ -24,7 +24,8 @@ def run(
     rounds: Annotated[Optional[int], typer.Option(help="Stop after this many rounds (default: run until Ctrl-C).")] = None,
     group_size: Annotated[Optional[int], typer.Option(help="Episodes per task (GRPO group).")] = None,
     batch: Annotated[Optional[int], typer.Option(help="Tasks per optimizer step.")] = None,
-    threads: Annotated[Optional[int], typer.Option(help="CPU threads for torch (default: all cores).")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads for torch (default: chosen by model size).")] = None,
+    eval_n: Annotated[Optional[int], typer.Option(help="Held-out episodes evaluated before and after each round.")] = None,
     wait_timeout: Annotated[Optional[float], typer.Option(help="Give up when no new checkpoint comes for this many seconds.")] = None,
     host: HostOpt = "0.0.0.0",
     port: PortOpt = 0,
@@ -38,7 +39,8 @@ def run(
     from skillswarm.node.session import open_session, stop_on_signals
     from skillswarm.node.worker import Worker, WorkerOptions
 
-    extra = {k: v for k, v in {"group_size": group_size, "batch": batch, "threads": threads}.items() if v is not None}
+    extra = {k: v for k, v in {"group_size": group_size, "batch": batch, "threads": threads,
+                                  "eval_n": eval_n}.items() if v is not None}
     with stop_on_signals() as stop, open_session(network, key=key, peers=peers, host=host, port=port,
                                                  announce=announce or (), auto_relay=auto_relay) as s:
         console.print(f"worker [bold]{s.identity.peer_id}[/] on [bold]{skill}[/] in network {s.spec.network}; "

@@ -1,0 +1,253 @@
+"""The demo: a whole swarm on this machine. A bootstrap peer, a coordinator and one worker per skill run
+as separate `skillswarm` processes on 127.0.0.1 for a few rounds; then the final checkpoint is pulled
+and each skill's gain is compared between its specialist and the merged model.
+
+Figures (all greedy, on the same held-out tasks, `eval_n` of them): base = the genesis checkpoint,
+measured by each worker before its first round; specialist = the worker's model after the last round;
+merged = the coordinator's evaluation of the final checkpoint. retention = (merged - base) /
+(specialist - base): how much of the specialist's gain the merged generalist keeps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from skillswarm.protocol.atomic import atomic_write_text
+from skillswarm.protocol.errors import SkillswarmError
+from skillswarm.protocol.hashing import weights_hash
+from skillswarm.protocol.identity import Identity
+from skillswarm.protocol.netspec import save_spec
+from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, MergePolicy, NetworkSpec, RoundPolicy
+
+log = logging.getLogger(__name__)
+
+NETWORK = "demo"
+
+
+@dataclass
+class DemoConfig:
+    """What the demo runs."""
+
+    out: Path
+    skills: list[str]
+    rounds: int = 2
+    steps_per_round: int = 150
+    method: str = "task_arithmetic"
+    density: float = 0.5
+    scale: float = 1.0
+    eval_n: int = 100
+    group_size: int = 8
+    batch: int = 8
+    lr: float | None = None
+    timeout_s: float = 1800.0
+
+
+@dataclass
+class DemoStatus:
+    """What the progress display shows."""
+
+    version: int = 0
+    deltas: int = 0
+    phase: str = "starting"
+    log: list[str] = field(default_factory=list)
+
+
+class Swarm:
+    """The demo's processes; every one of them is stopped on exit, whatever happens."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.procs: dict[str, subprocess.Popen] = {}
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+
+    def home(self, name: str) -> Path:
+        path = self.out / "nodes" / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+        env = {**os.environ, "SKILLSWARM_HOME": str(self.home(name)), "COLUMNS": "160"}
+        log_file = open(self.out / "logs" / f"{name}.log", "w")
+        exe = Path(sys.executable).with_name("skillswarm")
+        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "skillswarm.node.cli.app"]
+        p = subprocess.Popen([*cmd, *args], stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.procs[name] = p
+        return p
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        text = (self.out / "logs" / f"{name}.log").read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def check_alive(self, names: list[str]) -> None:
+        for name in names:
+            p = self.procs[name]
+            if p.poll() is not None and p.returncode != 0:
+                raise SkillswarmError(f"the demo's {name} process exited with {p.returncode}:\n{self.log_tail(name)}")
+
+    def stop(self, name: str, timeout: float = 60.0) -> None:
+        p = self.procs.get(name)
+        if p is None or p.poll() is not None:
+            return
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+
+    def close(self) -> None:
+        for name in list(self.procs):
+            self.stop(name, timeout=30)
+
+
+@contextlib.contextmanager
+def swarm(out: Path) -> Iterator[Swarm]:
+    s = Swarm(out)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def _bootstrap_address(s: Swarm, timeout: float = 90.0) -> str:
+    path = s.out / "logs" / "bootstrap.log"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s.check_alive(["bootstrap"])
+        for line in path.read_text(errors="replace").splitlines():
+            if line.startswith("{") and "maddrs" in line:
+                return json.loads(line)["maddrs"][0]
+        time.sleep(0.2)
+    raise SkillswarmError(f"the bootstrap peer printed no address within {timeout:.0f} s:\n{s.log_tail('bootstrap')}")
+
+
+def make_spec(cfg: DemoConfig, base: Path, coordinator: Identity) -> NetworkSpec:
+    """The demo network: the nano base, the skills, the coordinator, a round that waits for every skill."""
+    return coordinator.sign_record(NetworkSpec(
+        network=NETWORK, description="skillswarm demo on 127.0.0.1", base_model=str(base), base_hash=weights_hash(base),
+        skills=list(cfg.skills), coordinators=[coordinator.public_key_hex], codec="dense_fp32",
+        round=RoundPolicy(steps_per_round=cfg.steps_per_round, min_deltas=len(cfg.skills), max_wait_s=cfg.timeout_s),
+        merge=MergePolicy(method=cfg.method, density=cfg.density, scale=cfg.scale),
+    ))
+
+
+def run_demo(cfg: DemoConfig, base: Path, on_status: Callable[[DemoStatus], None] | None = None) -> dict:
+    """Run the swarm for `cfg.rounds` rounds and return the report (also written to out/report.json)."""
+    from skillswarm.node.pull import export, find_checkpoint, pull
+    from skillswarm.node.session import open_session
+
+    t0 = time.monotonic()
+    status = DemoStatus()
+    notify = on_status or (lambda st: None)
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    with swarm(cfg.out) as s:
+        coord_key = s.home("coordinator") / "config" / "identity.key"
+        spec = make_spec(cfg, base, Identity.load_or_create(coord_key))
+        spec_file = save_spec(spec, cfg.out / "network.toml")
+        s.start("bootstrap", ["net", "serve", "--host", "127.0.0.1", "--network", str(spec_file), "--json"])
+        maddr = _bootstrap_address(s)
+        join = ["--network", str(spec_file), "--peers", maddr, "--host", "127.0.0.1"]
+        s.start("coordinator", ["coordinator", "run", *join, "--key", str(coord_key), "--eval-n", str(cfg.eval_n)])
+        train = ["--group-size", str(cfg.group_size), "--batch", str(cfg.batch), "--threads", "1",
+                 "--eval-n", str(cfg.eval_n), "--rounds", str(cfg.rounds), "--no-progress"]
+        workers = [f"worker-{k}" for k in cfg.skills]
+        for skill, name in zip(cfg.skills, workers):
+            s.start(name, ["node", "run", *join, "--skill", skill, *train])
+        status.phase = "training"
+        notify(status)
+        deadline = time.monotonic() + cfg.timeout_s
+        with open_session(spec_file, peers=[maddr], host="127.0.0.1", client_mode=True, ephemeral_key=True) as obs:
+            final: CheckpointManifest | None = None
+            while final is None:
+                if time.monotonic() > deadline:
+                    raise SkillswarmError(f"the demo did not finish {cfg.rounds} rounds in {cfg.timeout_s:.0f} s; "
+                                          f"see the logs in {cfg.out / 'logs'}")
+                s.check_alive(["bootstrap", "coordinator", *workers])
+                latest = find_checkpoint(obs.dht, spec)
+                if latest is not None:
+                    status.version = latest.version
+                    status.deltas = len(obs.dht.get_deltas(latest.version))
+                    if latest.version >= cfg.rounds:
+                        final = latest
+                notify(status)
+                time.sleep(2.0)
+            status.phase = "pulling"
+            notify(status)
+            history = [obs.dht.get_checkpoint(v, trusted=spec.coordinators) for v in range(1, final.version + 1)]
+            deltas = {v: obs.dht.get_deltas(v) for v in range(final.version)}
+            pull(obs.dht, spec, final, obs.store, obs.blobs, progress=False)
+            export(obs.store, final.version, cfg.out / "final")
+        for name in workers:  # they pull the final checkpoint and exit by themselves
+            try:
+                s.procs[name].wait(120)
+            except subprocess.TimeoutExpired:
+                s.stop(name)
+        s.stop("coordinator")
+        s.stop("bootstrap")
+    report = make_report(cfg, final, [h for h in history if h is not None], deltas, time.monotonic() - t0)
+    atomic_write_text(cfg.out / "report.json", json.dumps(report, indent=2, sort_keys=True) + "\n")
+    plot_report(report, cfg.out / "report.png")
+    status.phase = "done"
+    notify(status)
+    return report
+
+
+def make_report(cfg: DemoConfig, final: CheckpointManifest, history: list[CheckpointManifest],
+                deltas: dict[int, list[DeltaManifest]], seconds: float) -> dict:
+    """report.json: per skill base / specialist / merged accuracy and retention, plus the run's history."""
+    skills = {}
+    last = final.version - 1
+    for skill in cfg.skills:
+        first = [d for d in deltas.get(0, []) if d.skill == skill]
+        spec_d = [d for d in deltas.get(last, []) if d.skill == skill]
+        base = first[0].stats.accuracy_before if first else None
+        specialist = max((d.stats.accuracy_after for d in spec_d if d.stats.accuracy_after is not None), default=None)
+        metric = final.metrics.get(skill)
+        merged = metric.accuracy if metric else None
+        retention = None
+        if None not in (base, specialist, merged) and specialist > base:  # type: ignore[operator]
+            retention = round((merged - base) / (specialist - base), 4)  # type: ignore[operator]
+        skills[skill] = {"base": base, "specialist": specialist, "merged": merged, "retention": retention}
+    return {
+        "skills": skills, "method": cfg.method, "rounds": final.version, "steps_per_round": cfg.steps_per_round,
+        "eval_n": cfg.eval_n, "seconds": round(seconds, 1), "final_version": final.version,
+        "weights_hash": final.weights_hash, "checkpoint": str(cfg.out / "final"),
+        "history": [{"version": h.version, "included": len(h.included), "rejected": len(h.rejected),
+                     "accuracy": {k: m.accuracy for k, m in sorted(h.metrics.items())}} for h in history],
+        "specialists": {str(v): {d.skill: {"before": d.stats.accuracy_before, "after": d.stats.accuracy_after}
+                                 for d in ds} for v, ds in sorted(deltas.items())},
+    }
+
+
+def plot_report(report: dict, png: Path) -> Path:
+    """A grouped bar chart: base, specialist and merged accuracy per skill."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["skills"])
+    fig, ax = plt.subplots(figsize=(1.8 * len(names) + 2, 3.6))
+    for i, (key, color) in enumerate((("base", "#9e9e9e"), ("specialist", "#1f77b4"), ("merged", "#2ca02c"))):
+        values = [100 * (report["skills"][n][key] or 0) for n in names]
+        ax.bar([x + 0.27 * (i - 1) for x in range(len(names))], values, 0.27, label=key, color=color)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("held-out accuracy (%)")
+    ax.set_title(f"skillswarm demo: {report['method']}, {report['rounds']} rounds")
+    ax.legend(frameon=False)
+    fig.tight_layout()
+    tmp = png.with_name(f".{png.name}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(png)
+    return png

@@ -1,0 +1,108 @@
+"""A coordinator killed mid-round (SIGKILL at a failpoint) restarts without leaving a partial checkpoint
+and without publishing a version twice; a restarted worker re-announces its delta instead of retraining."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from skillswarm.merge import compute_delta
+from skillswarm.node.store import CheckpointStore
+from skillswarm.protocol.blobs import BlobStore
+from skillswarm.protocol.dht import SwarmDHT
+from skillswarm.protocol.identity import Identity
+from skillswarm.protocol.netspec import load_spec
+from skillswarm.protocol.records import DeltaManifest
+from tests.conftest import ROOT, SKILLSWARM, run_cli
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+def _tuned_copy(model: Path, out: Path, seed: int) -> Path:
+    """A 'fine-tuned' model: the nano model with a small seeded change to a few weights."""
+    import shutil
+
+    shutil.copytree(model, out)
+    (st,) = out.glob("*.safetensors")
+    sd = load_file(str(st))
+    g = torch.Generator().manual_seed(seed)
+    for name in sorted(sd)[:4]:
+        if sd[name].is_floating_point():
+            sd[name] = sd[name] + 0.01 * torch.randn(sd[name].shape, generator=g)
+    save_file(sd, str(st), metadata={"format": "pt"})
+    return out
+
+
+def _coordinator(spec_file: Path, maddr: str, key: Path, home: Path, failpoint: str | None) -> subprocess.Popen:
+    env = {**os.environ, "SKILLSWARM_HOME": str(home), "COLUMNS": "200"}
+    env.pop("SKILLSWARM_FAILPOINT", None)
+    if failpoint:
+        env["SKILLSWARM_FAILPOINT"] = failpoint
+    return subprocess.Popen([str(SKILLSWARM), "coordinator", "run", "--network", str(spec_file), "--peers", maddr,
+                             "--host", "127.0.0.1", "--key", str(key), "--eval-n", "4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_killed_coordinator_restarts_cleanly(nano_model: Path, tmp_path: Path) -> None:
+    key = tmp_path / "coord.key"
+    spec_file = tmp_path / "net.toml"
+    run_cli("net", "init", "--name", "rec", "--model", str(nano_model), "--skill", "arith", "--min-deltas", "1",
+            "--codec", "dense_fp32", "--key", str(key), "--out", str(spec_file))
+    spec = load_spec(spec_file)
+    coord_id = Identity.load(key)
+    home = tmp_path / "h-coord"
+    store = CheckpointStore("rec", home / "cache" / "networks" / "rec")
+
+    worker_blobs = BlobStore(tmp_path / "worker-blobs")
+    with SwarmDHT("rec", Identity.generate()) as dht:  # the bootstrap, and a worker that published one delta
+        maddr = dht.visible_maddrs()[0]
+        dht.serve_blobs(worker_blobs)
+        delta = compute_delta(nano_model, _tuned_copy(nano_model, tmp_path / "tuned", 1), tmp_path / "d.safetensors",
+                              "dense_fp32", base_hash=spec.base_hash, skill="arith")
+        sha = worker_blobs.add_file(delta.path, move=True)
+        dht.provide(sha, store=worker_blobs)
+        assert dht.put(DeltaManifest(network="rec", skill="arith", base_version=0, base_hash=spec.base_hash, blob=sha,
+                                     size=delta.size, codec="dense_fp32", norm=delta.norm,
+                                     num_tensors=delta.num_tensors), 600, keep=True)
+
+        def published(version: int):
+            return dht.get_checkpoint(version, trusted=spec.coordinators)
+
+        # 1. Killed after the merge, before committing: debris only in staging, nothing published.
+        p = _coordinator(spec_file, maddr, key, home, "coordinator.after_merge")
+        assert p.wait(240) == -9, p.stdout.read()
+        assert list(store.dir.glob(".staging-*")) and not store.has(1) and published(1) is None
+
+        # 2. Killed after committing v1, before publishing it.
+        p = _coordinator(spec_file, maddr, key, home, "coordinator.after_commit")
+        assert p.wait(240) == -9, p.stdout.read()
+        assert store.has(1) and not list(store.dir.glob(".staging-*")) and published(1) is None
+        committed = store.manifest(1)
+
+        # 3. A clean restart publishes the committed v1 as it was signed, and merges nothing again.
+        p = _coordinator(spec_file, maddr, key, home, None)
+        try:
+            seen = _wait_for(lambda: published(1), 120, "v1 on the network")
+            time.sleep(3)  # give it time to (wrongly) merge the same deltas again
+            assert seen == committed and seen.author == coord_id.public_key_hex
+            assert published(2) is None and store.versions() == [0, 1]
+        finally:
+            p.terminate()
+            assert p.wait(60) == 0, p.stdout.read()
+        assert sorted(d.blob for d in committed.included) == [sha]

@@ -1,0 +1,138 @@
+"""The whole loop on real peers: a bootstrap, a coordinator, two workers on two skills and a puller,
+each a separate `skillswarm` process on 127.0.0.1, one short round. A rogue peer publishes a
+checkpoint manifest signed by an untrusted key; workers and the puller must ignore it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from skillswarm.protocol.codec import decode_record
+from skillswarm.protocol.hashing import weights_hash
+from skillswarm.protocol.identity import Identity, verify_record
+from skillswarm.protocol.netspec import load_spec
+from skillswarm.protocol.records import CheckpointManifest, FileEntry
+from tests.conftest import ROOT, SKILLSWARM, run_cli
+from tests.net_helpers import still_running
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def _start(args: list[str], home: Path, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "SKILLSWARM_HOME": str(home), "COLUMNS": "200"}
+    home.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([str(SKILLSWARM), *args], stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+
+
+def _descendants(procs: list[subprocess.Popen]) -> list[psutil.Process]:
+    out = []
+    for p in procs:
+        try:
+            parent = psutil.Process(p.pid)
+            out += [parent, *parent.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _bootstrap_addr(log: Path, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in log.read_text().splitlines():
+            if line.startswith("{") and "maddrs" in line:
+                return json.loads(line)
+        time.sleep(0.2)
+    raise AssertionError(f"the bootstrap printed no address:\n{log.read_text()}")
+
+
+def _wait_exit(p: subprocess.Popen, log: Path, timeout: float) -> int:
+    try:
+        return p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{p.args[1:3]} still running after {timeout} s:\n{log.read_text()[-3000:]}") from None
+
+
+def test_one_round_end_to_end(nano_model: Path, tmp_path: Path) -> None:
+    coord_key = tmp_path / "coordinator.key"
+    spec_file = tmp_path / "net.toml"
+    run_cli("net", "init", "--name", "e2e", "--model", str(nano_model), "--skill", "reverse", "--skill", "sort",
+            "--min-deltas", "2", "--steps-per-round", "3", "--method", "ties", "--codec", "dense_fp32",
+            "--key", str(coord_key), "--out", str(spec_file))
+    spec = load_spec(spec_file)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    procs: list[subprocess.Popen] = []
+    rogue = None
+    try:
+        boot = _start(["net", "serve", "--host", "127.0.0.1", "--network", str(spec_file), "--json"], tmp_path / "h-boot",
+                      logs / "boot.log")
+        procs.append(boot)
+        maddr = _bootstrap_addr(logs / "boot.log")["maddrs"][0]
+        join = ["--network", str(spec_file), "--peers", maddr, "--host", "127.0.0.1"]
+
+        # A rogue peer publishes a newer "checkpoint" signed by a key the network does not trust.
+        from skillswarm.protocol.dht import SwarmDHT
+
+        rogue = SwarmDHT("e2e", Identity.generate(), initial_peers=[maddr]).start()
+        fake = CheckpointManifest(network="e2e", version=7, parent_version=6, parent_hash="0" * 64, weights_hash="1" * 64,
+                                  files=[FileEntry(path="config.json", sha256="2" * 64, size=10)])
+        assert rogue.put(fake, 600, keep=True)
+
+        coordinator = _start(["coordinator", "run", *join, "--key", str(coord_key), "--eval-n", "16"],
+                             tmp_path / "h-coord", logs / "coordinator.log")
+        procs.append(coordinator)
+        workers = {}
+        for skill in ("reverse", "sort"):
+            workers[skill] = _start(["node", "run", *join, "--skill", skill, "--rounds", "1", "--group-size", "4",
+                                     "--batch", "2", "--threads", "1", "--eval-n", "16", "--no-progress"],
+                                    tmp_path / f"h-{skill}", logs / f"{skill}.log")
+            procs.append(workers[skill])
+        everyone = _descendants(procs)
+        assert any(p.name() == "p2pd" for p in everyone)
+
+        # Each worker trains a round on v0, publishes, waits for the merge (v1), pulls it and exits.
+        for skill, w in workers.items():
+            assert _wait_exit(w, logs / f"{skill}.log", 400) == 0, (logs / f"{skill}.log").read_text()[-3000:]
+            text = (logs / f"{skill}.log").read_text()
+            assert "pulled checkpoint v0" in text and "pulled checkpoint v1" in text and "v7" not in text
+
+        out = tmp_path / "pulled"
+        pulled = run_cli("pull", "--network", str(spec_file), "--peers", maddr, "--out", str(out), "--json", timeout=180,
+                         env={"SKILLSWARM_HOME": str(tmp_path / "h-puller")})
+        assert json.loads(pulled.stdout)["version"] == 1  # not the untrusted v7
+
+        verified = run_cli("coordinator", "run", "--verify", "--json", *join, timeout=180,
+                           env={"SKILLSWARM_HOME": str(tmp_path / "h-verifier")})
+        assert json.loads(verified.stdout)["match"] is True
+
+        for p in (coordinator, boot):
+            p.terminate()
+        for p, name in ((coordinator, "coordinator"), (boot, "boot")):
+            assert _wait_exit(p, logs / f"{name}.log", 60) == 0, (logs / f"{name}.log").read_text()[-3000:]
+        assert not still_running(everyone, 10), "a process (or its p2pd) outlived its node"
+    finally:
+        if rogue is not None:
+            rogue.shutdown()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+    manifest = decode_record((out / "manifest.msgpack").read_bytes(), CheckpointManifest)
+    verify_record(manifest, network="e2e", trusted=spec.coordinators)
+    assert manifest.version == 1 and manifest.parent_version == 0 and manifest.parent_hash == spec.base_hash
+    assert sorted(d.skill for d in manifest.included) == ["reverse", "sort"] and not manifest.rejected
+    assert set(manifest.metrics) == {"reverse", "sort"}
+    assert weights_hash(out) == manifest.weights_hash != spec.base_hash
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert model.config.model_type == "llama" and tok("abc")["input_ids"]
