@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -27,7 +28,8 @@ from skillswarm.protocol.errors import SkillswarmError
 from skillswarm.protocol.hashing import weights_hash
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.netspec import save_spec
-from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, MergePolicy, NetworkSpec, RoundPolicy
+from skillswarm.protocol.records import (CheckpointManifest, DeltaManifest, MergeMethod, MergePolicy, NetworkSpec,
+                                         RoundPolicy)
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +43,12 @@ class DemoConfig:
     out: Path
     skills: list[str]
     rounds: int = 2
-    steps_per_round: int = 150
+    steps_per_round: int = 100  # the same steps for every skill: time-boxed rounds starve the slow (multi-turn) ones
+    minutes_per_round: float | None = 5.0  # a cap, so a slow machine still finishes
     method: str = "task_arithmetic"
-    density: float = 0.5
-    scale: float = 1.0
+    density: float = 0.3
+    scale: float = 0.6  # 4 dense RL deltas summed at lambda=1 overshoot; 0.6 kept the most (see the README)
+    compare: list[str] = field(default_factory=lambda: ["ties@1", "task_arithmetic@1"])  # re-merge the last round
     eval_n: int = 100
     group_size: int = 8
     batch: int = 8
@@ -137,7 +141,7 @@ def make_spec(cfg: DemoConfig, base: Path, coordinator: Identity) -> NetworkSpec
         network=NETWORK, description="skillswarm demo on 127.0.0.1", base_model=str(base), base_hash=weights_hash(base),
         skills=list(cfg.skills), coordinators=[coordinator.public_key_hex], codec="dense_fp32",
         round=RoundPolicy(steps_per_round=cfg.steps_per_round, min_deltas=len(cfg.skills), max_wait_s=cfg.timeout_s),
-        merge=MergePolicy(method=cfg.method, density=cfg.density, scale=cfg.scale),
+        merge=MergePolicy(method=cfg.method, density=cfg.density, scale=cfg.scale),  # type: ignore[arg-type]
     ))
 
 
@@ -146,6 +150,8 @@ def run_demo(cfg: DemoConfig, base: Path, on_status: Callable[[DemoStatus], None
     from skillswarm.node.pull import export, find_checkpoint, pull
     from skillswarm.node.session import open_session
 
+    for text in [cfg.method, *cfg.compare]:
+        parse_method(text, cfg)  # a typo fails now, not after the rounds
     t0 = time.monotonic()
     status = DemoStatus()
     notify = on_status or (lambda st: None)
@@ -160,13 +166,16 @@ def run_demo(cfg: DemoConfig, base: Path, on_status: Callable[[DemoStatus], None
         s.start("coordinator", ["coordinator", "run", *join, "--key", str(coord_key), "--eval-n", str(cfg.eval_n)])
         train = ["--group-size", str(cfg.group_size), "--batch", str(cfg.batch), "--threads", "1",
                  "--eval-n", str(cfg.eval_n), "--rounds", str(cfg.rounds), "--no-progress"]
+        if cfg.minutes_per_round:
+            train += ["--minutes-per-round", str(cfg.minutes_per_round)]
         workers = [f"worker-{k}" for k in cfg.skills]
         for skill, name in zip(cfg.skills, workers):
             s.start(name, ["node", "run", *join, "--skill", skill, *train])
         status.phase = "training"
         notify(status)
         deadline = time.monotonic() + cfg.timeout_s
-        with open_session(spec_file, peers=[maddr], host="127.0.0.1", client_mode=True, ephemeral_key=True) as obs:
+        with open_session(spec_file, peers=[maddr], host="127.0.0.1", client_mode=True, ephemeral_key=True,
+                          cache=s.home("observer") / "cache") as obs:
             final: CheckpointManifest | None = None
             while final is None:
                 if time.monotonic() > deadline:
@@ -187,6 +196,11 @@ def run_demo(cfg: DemoConfig, base: Path, on_status: Callable[[DemoStatus], None
             deltas = {v: obs.dht.get_deltas(v) for v in range(final.version)}
             pull(obs.dht, spec, final, obs.store, obs.blobs, progress=False)
             export(obs.store, final.version, cfg.out / "final")
+            alternatives = {}
+            if cfg.compare:
+                status.phase = "comparing"
+                notify(status)
+                alternatives = compare_methods(obs, spec, final, cfg)
         for name in workers:  # they pull the final checkpoint and exit by themselves
             try:
                 s.procs[name].wait(120)
@@ -194,7 +208,8 @@ def run_demo(cfg: DemoConfig, base: Path, on_status: Callable[[DemoStatus], None
                 s.stop(name)
         s.stop("coordinator")
         s.stop("bootstrap")
-    report = make_report(cfg, final, [h for h in history if h is not None], deltas, time.monotonic() - t0)
+    report = make_report(cfg, final, [h for h in history if h is not None], deltas, time.monotonic() - t0,
+                         alternatives)
     atomic_write_text(cfg.out / "report.json", json.dumps(report, indent=2, sort_keys=True) + "\n")
     plot_report(report, cfg.out / "report.png")
     status.phase = "done"
@@ -202,9 +217,69 @@ def run_demo(cfg: DemoConfig, base: Path, on_status: Callable[[DemoStatus], None
     return report
 
 
+def parse_method(text: str, cfg: DemoConfig) -> MergePolicy:
+    """`METHOD` or `METHOD@LAMBDA` (density from the demo's settings) as a merge policy."""
+    method, _, scale = text.partition("@")
+    known = typing.get_args(MergeMethod)
+    try:
+        value = float(scale) if scale else cfg.scale
+    except ValueError:
+        value = -1.0
+    if method not in known or not 0 < value <= 100:
+        raise SkillswarmError(f"bad merge method {text!r}: use METHOD or METHOD@LAMBDA with METHOD one of "
+                              f"{', '.join(known)} and 0 < LAMBDA <= 100, e.g. task_arithmetic@0.6")
+    return MergePolicy(method=method, density=cfg.density, scale=value)  # type: ignore[arg-type]
+
+
+def method_label(policy: MergePolicy) -> str:
+    """`ties(density=0.3, lambda=1.0)`: a method with the parameters that matter to it."""
+    uses_density = policy.method in ("ties", "dare_linear", "dare_ties", "breadcrumbs")
+    density = f"density={policy.density:g}, " if uses_density else ""
+    return f"{policy.method}({density}lambda={policy.scale:g})"
+
+
+def compare_methods(obs, spec: NetworkSpec, final: CheckpointManifest, cfg: DemoConfig) -> dict[str, dict]:
+    """Re-merge the final round's deltas onto its parent with each of `cfg.compare` and evaluate every skill
+    (same deltas, same held-out tasks), so one run reports retention per merge method."""
+    import shutil
+
+    from skillswarm.merge import merge_checkpoint
+    from skillswarm.node.coordinator import MAX_DELTA_BYTES, evaluate_all
+    from skillswarm.node.pull import pull
+
+    parent = obs.dht.get_checkpoint(final.parent_version, trusted=spec.coordinators)
+    if parent is None:
+        raise SkillswarmError(f"checkpoint v{final.parent_version} is no longer on the network")
+    parent_dir = pull(obs.dht, spec, parent, obs.store, obs.blobs, progress=False)
+    groups: dict[str, list[tuple[Path, float]]] = {}
+    for ref in final.included:
+        groups.setdefault(ref.skill, []).append((obs.dht.fetch(ref.blob, max_size=MAX_DELTA_BYTES, store=obs.blobs),
+                                                 ref.weight))
+    out = {}
+    for text in cfg.compare:
+        policy = parse_method(text, cfg)
+        staging = obs.store.staging()
+        try:
+            merge_checkpoint(parent_dir, groups, policy, staging / "ckpt", seed=final.parent_version or 0)
+            metrics = evaluate_all(staging / "ckpt", list(cfg.skills), cfg.eval_n)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        out[method_label(policy)] = {k: m.accuracy for k, m in metrics.items()}
+        log.info("re-merged v%d with %s: %s", final.version, method_label(policy), out[method_label(policy)])
+    return out
+
+
+def _retention(base: float | None, specialist: float | None, merged: float | None) -> float | None:
+    if None in (base, specialist, merged) or specialist <= base:  # type: ignore[operator]
+        return None
+    return round((merged - base) / (specialist - base), 4)  # type: ignore[operator]
+
+
 def make_report(cfg: DemoConfig, final: CheckpointManifest, history: list[CheckpointManifest],
-                deltas: dict[int, list[DeltaManifest]], seconds: float) -> dict:
-    """report.json: per skill base / specialist / merged accuracy and retention, plus the run's history."""
+                deltas: dict[int, list[DeltaManifest]], seconds: float,
+                alternatives: dict[str, dict[str, float]] | None = None) -> dict:
+    """report.json: per skill base / specialist / merged accuracy and retention, plus the run's history;
+    `methods` holds the same figures for the final round re-merged with other methods."""
     skills = {}
     last = final.version - 1
     for skill in cfg.skills:
@@ -214,12 +289,16 @@ def make_report(cfg: DemoConfig, final: CheckpointManifest, history: list[Checkp
         specialist = max((d.stats.accuracy_after for d in spec_d if d.stats.accuracy_after is not None), default=None)
         metric = final.metrics.get(skill)
         merged = metric.accuracy if metric else None
-        retention = None
-        if None not in (base, specialist, merged) and specialist > base:  # type: ignore[operator]
-            retention = round((merged - base) / (specialist - base), 4)  # type: ignore[operator]
-        skills[skill] = {"base": base, "specialist": specialist, "merged": merged, "retention": retention}
+        skills[skill] = {"base": base, "specialist": specialist, "merged": merged,
+                         "retention": _retention(base, specialist, merged)}
+    run_label = method_label(MergePolicy(method=cfg.method, density=cfg.density, scale=cfg.scale))  # type: ignore[arg-type]
+    methods = {run_label: {k: {"merged": v["merged"], "retention": v["retention"]} for k, v in skills.items()}}
+    for label, accuracy in (alternatives or {}).items():
+        methods[label] = {k: {"merged": accuracy.get(k), "retention": _retention(v["base"], v["specialist"], accuracy.get(k))}
+                          for k, v in skills.items()}
     return {
-        "skills": skills, "method": cfg.method, "rounds": final.version, "steps_per_round": cfg.steps_per_round,
+        "skills": skills, "method": cfg.method, "method_label": run_label, "methods": methods,
+        "rounds": final.version, "steps_per_round": cfg.steps_per_round, "minutes_per_round": cfg.minutes_per_round,
         "eval_n": cfg.eval_n, "seconds": round(seconds, 1), "final_version": final.version,
         "weights_hash": final.weights_hash, "checkpoint": str(cfg.out / "final"),
         "history": [{"version": h.version, "included": len(h.included), "rejected": len(h.rejected),

@@ -41,8 +41,10 @@ def join_addresses(spec: NetworkSpec, peers: Sequence[str] | None) -> list[str]:
 @contextlib.contextmanager
 def open_session(network_file: Path, *, key: Path | None = None, peers: Sequence[str] | None = None,
                  host: str = "0.0.0.0", port: int = 0, announce: Sequence[str] = (), auto_relay: bool = False,
-                 client_mode: bool = False, ephemeral_key: bool = False) -> Iterator[NodeSession]:
-    """Load the spec and key, start the DHT peer, serve the blob store; shut everything down on exit."""
+                 client_mode: bool = False, ephemeral_key: bool = False,
+                 cache: Path | None = None) -> Iterator[NodeSession]:
+    """Load the spec and key, start the DHT peer, serve the blob store; shut everything down on exit.
+    `cache` keeps blobs and checkpoints somewhere other than the user's cache dir."""
     from skillswarm.protocol.dht import SwarmDHT
 
     spec = load_spec(network_file)
@@ -50,10 +52,11 @@ def open_session(network_file: Path, *, key: Path | None = None, peers: Sequence
     dht = SwarmDHT(spec.network, identity, host=host, port=port, initial_peers=join_addresses(spec, peers),
                    announce_maddrs=announce, use_auto_relay=auto_relay, client_mode=client_mode)
     with dht:
-        blobs = BlobStore()
+        blobs = BlobStore(cache / "blobs" if cache else None)
         if not client_mode:
             dht.serve_blobs(blobs)
-        yield NodeSession(spec, identity, dht, CheckpointStore(spec.network), blobs)
+        store = CheckpointStore(spec.network, cache / "networks" / spec.network if cache else None)
+        yield NodeSession(spec, identity, dht, store, blobs)
 
 
 @contextlib.contextmanager

@@ -40,6 +40,7 @@ class WorkerOptions:
     engine: str = "hf"
     lora: bool = False
     steps_per_round: int | None = None
+    minutes_per_round: float | None = None  # a round also ends after this many minutes of training
     train: dict[str, Any] = field(default_factory=dict)  # extra TrainConfig fields (group_size, lr, threads, ...)
     progress: bool = False
 
@@ -109,7 +110,8 @@ class Worker:
         run_dir = self.store.root / "runs" / f"{self.opt.skill}-v{current.version}"
         steps = self.opt.steps_per_round or self.spec.round.steps_per_round
         self.state = "training"
-        settings = {"eval_every": 0, "eval_n": 64, "save_every": 10, **self.opt.train}
+        settings = {"eval_every": 0, "eval_n": 64, "save_every": 10, "max_minutes": self.opt.minutes_per_round,
+                    **self.opt.train}
         cfg = TrainConfig(model_dir=base_dir, skill=self.opt.skill, steps=steps, out_dir=run_dir, lora=self.opt.lora,
                           engine=self.opt.engine, resume=run_dir.exists(), codec=None, **settings)
 

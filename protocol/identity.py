@@ -16,7 +16,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from skillswarm.protocol.codec import canonical_bytes
+from skillswarm.protocol.codec import canonical_bytes, decode_record, encode_record
 from skillswarm.protocol.errors import IdentityError, SignatureError
 from skillswarm.protocol.paths import default_key_path
 from skillswarm.protocol.records import Record, kind_of
@@ -124,13 +124,16 @@ class Identity:
         return self._key.sign(b"skillswarm/raw/v1\x00" + message)
 
     def sign_record(self, record: R, *, created: float | None = None) -> R:
-        """Return the record with this identity as author, a creation time, and a signature."""
+        """Return the record with this identity as author, a creation time, and a signature. The record is
+        validated and normalised first (an int in a float field becomes a float), so what is signed is exactly
+        what every reader decodes, from msgpack or TOML alike."""
         unsigned = msgspec.structs.replace(
             record,
             author=self.public_key_hex,
             created=time.time() if created is None else created,
             signature=b"",
         )
+        unsigned = decode_record(encode_record(unsigned), type(record))
         signature = self._key.sign(_SIGNING_PREFIX + canonical_bytes(unsigned))
         return msgspec.structs.replace(unsigned, signature=signature)
 

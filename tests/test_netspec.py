@@ -84,3 +84,17 @@ def test_spec_round_trips_through_toml(tmp_path: Path, tiny_model_dir: Path) -> 
     save_spec(spec, tmp_path / "copy.toml")
     assert load_spec(tmp_path / "copy.toml") == spec
     assert spec_to_toml(spec) == (tmp_path / "copy.toml").read_text()
+
+
+def test_a_spec_signed_with_ints_in_float_fields_verifies_after_toml(tmp_path: Path) -> None:
+    from skillswarm.protocol.identity import verify_record
+    from skillswarm.protocol.records import MergePolicy, NetworkSpec, RoundPolicy
+
+    key = Identity.generate()
+    spec = key.sign_record(NetworkSpec(network="n", base_model="m", base_hash="ab" * 32, skills=["arith"],
+                                       coordinators=[key.public_key_hex],
+                                       round=RoundPolicy(max_wait_s=300), merge=MergePolicy(scale=1)))
+    assert isinstance(spec.round.max_wait_s, float)  # normalised before signing
+    loaded = load_spec(save_spec(spec, tmp_path / "net.toml"))
+    verify_record(loaded, network="n", trusted=[key.public_key_hex])
+    assert loaded == spec

@@ -14,8 +14,13 @@ def demo_cmd(
     out: Annotated[Path, typer.Option(help="Where to write report.json, report.png, the final checkpoint and logs.")] = Path("runs/demo"),
     skill: Annotated[Optional[list[str]], typer.Option(help="Skills to train (default: every built-in skill).")] = None,
     rounds: Annotated[int, typer.Option(help="Merge rounds.", min=1)] = 2,
-    steps_per_round: Annotated[int, typer.Option(help="Optimizer steps per worker per round.", min=1)] = 150,
+    minutes_per_round: Annotated[float, typer.Option(help="At most this many training minutes per worker per round (0: no limit).", min=0)] = 5.0,
+    steps_per_round: Annotated[int, typer.Option(help="Optimizer steps per worker per round.", min=1)] = 100,
     method: Annotated[str, typer.Option(help="Merge method across skills.")] = "task_arithmetic",
+    density: Annotated[float, typer.Option(help="Fraction of each delta kept by ties/dare/breadcrumbs.", min=0.01, max=1.0)] = 0.3,
+    lambda_: Annotated[float, typer.Option("--lambda", help="Scale of the merged task vector.", min=0.01, max=100.0)] = 0.6,
+    compare: Annotated[Optional[list[str]], typer.Option(help="Also re-merge the last round with METHOD or METHOD@LAMBDA and report its retention (default: ties@1 and task_arithmetic@1).")] = None,
+    no_compare: Annotated[bool, typer.Option("--no-compare", help="Skip the re-merge comparison.")] = False,
     eval_n: Annotated[int, typer.Option(help="Held-out episodes per skill for every accuracy figure.", min=1)] = 100,
     json: JsonOpt = False,
 ) -> None:
@@ -24,14 +29,18 @@ def demo_cmd(
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from skillswarm.node.cli.base_cmd import build_with_progress
-    from skillswarm.node.demo import DemoConfig, run_demo
+    from skillswarm.node.demo import DemoConfig, parse_method, run_demo
 
     skills = skill or ["arith", "reverse", "sort", "calc"]
-    cfg = DemoConfig(out=out.resolve(), skills=skills, rounds=rounds, steps_per_round=steps_per_round, method=method,
-                     eval_n=eval_n)
+    cfg = DemoConfig(out=out.resolve(), skills=skills, rounds=rounds, steps_per_round=steps_per_round,
+                     minutes_per_round=minutes_per_round or None, method=method, density=density, scale=lambda_,
+                     compare=[] if no_compare else (compare or ["ties@1", "task_arithmetic@1"]), eval_n=eval_n)
+    for text in [method, *cfg.compare]:
+        parse_method(text, cfg)  # a typo fails now, not after the rounds
     if not json:
+        budget = f"{steps_per_round} steps" + (f" (at most {minutes_per_round:g} min)" if minutes_per_round else "")
         console.print(f"skillswarm demo: {len(skills)} workers ({', '.join(skills)}), 1 coordinator, 1 bootstrap peer "
-                      f"on 127.0.0.1; {rounds} rounds of {steps_per_round} steps; merge: {method}")
+                      f"on 127.0.0.1; {rounds} rounds of {budget}; merge: {method}")
     base = build_with_progress()
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=err_console, transient=True) as bar:
@@ -39,7 +48,8 @@ def demo_cmd(
 
         def show(st) -> None:
             text = {"training": f"round {st.version + 1}/{rounds}: workers training, {st.deltas}/{len(skills)} deltas in",
-                    "pulling": "pulling the final checkpoint", "done": "done"}.get(st.phase, st.phase)
+                    "pulling": "pulling the final checkpoint",
+                    "comparing": "re-merging the last round with other methods", "done": "done"}.get(st.phase, st.phase)
             bar.update(task, description=text)
 
         report = run_demo(cfg, base, on_status=show)
@@ -49,8 +59,18 @@ def demo_cmd(
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
     rows = [[k, pct(v["base"]), pct(v["specialist"]), pct(v["merged"]),
              "n/a (no gain)" if v["retention"] is None else f"{100 * v['retention']:.0f}%"] for k, v in report["skills"].items()]
-    console.print(table(f"retention of each specialist's gain after {report['rounds']} rounds ({report['method']}, "
+    console.print(table(f"retention of each specialist's gain after {report['rounds']} rounds ({report['method_label']}, "
                         f"n={report['eval_n']} held-out tasks, greedy)",
                         ["skill", "base", "specialist", "merged", "retention"], rows))
+    if len(report["methods"]) > 1:
+        names = list(report["skills"])
+        rows = [[label, *(_cell(v[k]) for k in names)] for label, v in report["methods"].items()]
+        console.print(table("the last round's deltas merged by each method: merged accuracy (retention)",
+                            ["method", *names], rows))
     console.print(f"report: {out / 'report.json'}, plot: {out / 'report.png'}, checkpoint: {out / 'final'} "
                   f"({report['seconds'] / 60:.1f} min)")
+
+
+def _cell(m: dict) -> str:
+    merged = "-" if m["merged"] is None else f"{100 * m['merged']:.1f}%"
+    return merged + ("" if m["retention"] is None else f" ({100 * m['retention']:.0f}%)")

@@ -21,6 +21,7 @@ def run(
     engine: Annotated[str, typer.Option(help="Inference engine: hf (CPU or GPU) or vllm (GPU, the vllm extra).")] = "hf",
     lora: Annotated[bool, typer.Option(help="Train LoRA adapters instead of all weights.")] = False,
     steps_per_round: Annotated[Optional[int], typer.Option(help="Optimizer steps per round (default: the network's).")] = None,
+    minutes_per_round: Annotated[Optional[float], typer.Option(help="Also end each round's training after this many minutes (whichever comes first).", min=0.01)] = None,
     rounds: Annotated[Optional[int], typer.Option(help="Stop after this many rounds (default: run until Ctrl-C).")] = None,
     group_size: Annotated[Optional[int], typer.Option(help="Episodes per task (GRPO group).")] = None,
     batch: Annotated[Optional[int], typer.Option(help="Tasks per optimizer step.")] = None,
@@ -55,6 +56,7 @@ def run(
 
         worker = Worker(s.spec, s.identity, s.dht, s.store, s.blobs,
                         WorkerOptions(skill=skill, engine=engine, lora=lora, steps_per_round=steps_per_round,
+                                      minutes_per_round=minutes_per_round,
                                       train=extra, progress=progress), on_event=event)
         worker.start_heartbeat()
         done = worker.run(stop, max_rounds=rounds, wait_timeout=wait_timeout)

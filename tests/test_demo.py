@@ -1,0 +1,58 @@
+"""`run_demo` end to end, shrunk: a bootstrap, a coordinator and two workers as real processes for one short
+round; the report, the plot, the pulled checkpoint and a re-merge with a second method; nothing left running."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from skillswarm.node.demo import DemoConfig, run_demo
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def _new_children(before: set[int]) -> list[psutil.Process]:
+    # torch_shm_manager is torch's own helper of this (test) process, not something the demo started
+    return [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
+            and p.status() != psutil.STATUS_ZOMBIE and p.name() != "torch_shm_manager"]
+
+
+def test_a_short_demo_reports_retention_and_stops_every_process(nano_model: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SKILLSWARM_HOME", str(tmp_path / "home"))
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    cfg = DemoConfig(out=tmp_path / "demo", skills=["reverse", "sort"], rounds=1, steps_per_round=3,
+                     minutes_per_round=None, eval_n=8, group_size=4, batch=2, compare=["ties@1"], timeout_s=300)
+    phases: list[str] = []
+    report = run_demo(cfg, nano_model, on_status=lambda st: phases.append(st.phase))
+
+    assert json.loads((cfg.out / "report.json").read_text()) == report
+    assert (cfg.out / "report.png").stat().st_size > 1000
+    assert set(report["skills"]) == {"reverse", "sort"} and report["rounds"] == 1
+    for row in report["skills"].values():
+        for key in ("base", "specialist", "merged"):
+            assert 0.0 <= row[key] <= 1.0
+        if row["specialist"] > row["base"]:
+            expected = (row["merged"] - row["base"]) / (row["specialist"] - row["base"])
+            assert math.isclose(row["retention"], expected, abs_tol=1e-4)
+        else:
+            assert row["retention"] is None
+    assert len(report["methods"]) == 2 and "ties(density=0.3, lambda=1)" in report["methods"]
+    assert report["history"][0]["included"] == 2  # both skills' deltas went into v1
+    assert phases[-1] == "done" and "comparing" in phases
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(cfg.out / "final")
+    AutoTokenizer.from_pretrained(cfg.out / "final")
+    assert (cfg.out / "final" / "manifest.json").is_file()
+
+    deadline = time.monotonic() + 15
+    while _new_children(before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _new_children(before), "the demo left processes running"

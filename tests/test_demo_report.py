@@ -1,0 +1,59 @@
+"""The demo's report: retention arithmetic, per-method rows, method parsing (the full run is `make demo`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from skillswarm.node.demo import DemoConfig, make_report, method_label, parse_method
+from skillswarm.protocol.errors import SkillswarmError
+from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, FileEntry, SkillMetrics, TrainStats
+
+SHA = "ab" * 32
+
+
+def _delta(skill: str, version: int, before: float, after: float, blob: str) -> DeltaManifest:
+    return DeltaManifest(network="demo", skill=skill, base_version=version, base_hash=SHA, blob=blob, size=10,
+                         codec="dense_fp32", norm=1.0, num_tensors=3,
+                         stats=TrainStats(accuracy_before=before, accuracy_after=after, eval_n=100))
+
+
+def test_report_computes_retention_per_skill_and_per_method(tmp_path: Path) -> None:
+    cfg = DemoConfig(out=tmp_path, skills=["reverse", "sort", "arith"], rounds=2, method="ties", density=0.3, scale=1.0)
+    deltas = {
+        0: [_delta("reverse", 0, 0.25, 0.9, "01" * 32), _delta("sort", 0, 0.30, 0.6, "02" * 32),
+            _delta("arith", 0, 0.20, 0.19, "03" * 32)],
+        1: [_delta("reverse", 1, 0.8, 0.95, "04" * 32), _delta("sort", 1, 0.5, 0.70, "05" * 32),
+            _delta("arith", 1, 0.18, 0.18, "06" * 32)],
+    }
+    final = CheckpointManifest(network="demo", version=2, parent_version=1, parent_hash=SHA, weights_hash=SHA,
+                               files=[FileEntry(path="model.safetensors", sha256=SHA, size=1)], method="ties",
+                               metrics={"reverse": SkillMetrics(accuracy=0.90), "sort": SkillMetrics(accuracy=0.50),
+                                        "arith": SkillMetrics(accuracy=0.2)})
+    report = make_report(cfg, final, [final], deltas, 12.0,
+                         {"task_arithmetic(lambda=1)": {"reverse": 0.60, "sort": 0.70, "arith": 0.1}})
+    reverse, sort, arith = (report["skills"][k] for k in ("reverse", "sort", "arith"))
+    # base from the first round, specialist from the last round, merged from the final checkpoint
+    assert (reverse["base"], reverse["specialist"], reverse["merged"]) == (0.25, 0.95, 0.90)
+    assert reverse["retention"] == pytest.approx((0.90 - 0.25) / (0.95 - 0.25), abs=1e-4)
+    assert sort["retention"] == pytest.approx((0.50 - 0.30) / (0.70 - 0.30), abs=1e-4)
+    assert arith["retention"] is None  # the specialist gained nothing: no retention to speak of
+    assert list(report["methods"]) == ["ties(density=0.3, lambda=1)", "task_arithmetic(lambda=1)"]
+    other = report["methods"]["task_arithmetic(lambda=1)"]
+    assert other["reverse"]["retention"] == pytest.approx((0.60 - 0.25) / 0.70, abs=1e-4)
+    assert other["sort"]["retention"] == pytest.approx(1.0)  # merged matches the specialist
+    assert report["rounds"] == 2 and report["method"] == "ties"
+
+
+def test_method_specs_parse_or_say_how_to_fix(tmp_path: Path) -> None:
+    cfg = DemoConfig(out=tmp_path, skills=["arith"], density=0.4, scale=1.0)
+    p = parse_method("task_arithmetic@0.6", cfg)
+    assert (p.method, p.scale) == ("task_arithmetic", 0.6)
+    assert method_label(parse_method("dare_ties", cfg)) == "dare_ties(density=0.4, lambda=1)"
+    for bad in ("bogus", "ties@", "ties@x", "ties@0", "ties@101"):
+        if bad == "ties@":  # an empty lambda means the default
+            assert parse_method(bad, cfg).scale == 1.0
+            continue
+        with pytest.raises(SkillswarmError, match="METHOD@LAMBDA"):
+            parse_method(bad, cfg)
