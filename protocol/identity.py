@@ -123,17 +123,19 @@ class Identity:
         """Sign raw bytes (domain-separated from record signatures)."""
         return self._key.sign(b"skillswarm/raw/v1\x00" + message)
 
-    def sign_record(self, record: R, *, created: float | None = None) -> R:
+    def sign_record(self, record: R, *, created: float | None = None, validate: bool = True) -> R:
         """Return the record with this identity as author, a creation time, and a signature. The record is
-        validated and normalised first (an int in a float field becomes a float), so what is signed is exactly
-        what every reader decodes, from msgpack or TOML alike."""
+        validated and normalised first (an int in a float field becomes a float; an invalid record raises
+        RecordError), so what is signed is exactly what every reader decodes, from msgpack or TOML alike.
+        `validate=False` signs the record as given (tests forging bad records)."""
         unsigned = msgspec.structs.replace(
             record,
             author=self.public_key_hex,
             created=time.time() if created is None else created,
             signature=b"",
         )
-        unsigned = decode_record(encode_record(unsigned), type(record))
+        if validate:
+            unsigned = decode_record(encode_record(unsigned), type(record))
         signature = self._key.sign(_SIGNING_PREFIX + canonical_bytes(unsigned))
         return msgspec.structs.replace(unsigned, signature=signature)
 

@@ -110,3 +110,13 @@ def test_signature_binds_the_record_kind_and_unsigned_is_rejected() -> None:
     verify_record(signed, network="alpha")
     assert not verify_raw(ident.public_key_hex, signed.signature, b"anything else")
     assert verify_raw(ident.public_key_hex, ident.sign(b"blob"), b"blob")
+
+
+def test_signing_refuses_an_invalid_record_unless_told_not_to_validate() -> None:
+    from skillswarm.protocol.errors import RecordError
+    from skillswarm.protocol.records import PeerRecord
+    key = Identity.generate()
+    bad = PeerRecord(network="n", peer_id=key.peer_id, role="king")  # type: ignore[arg-type]
+    with pytest.raises(RecordError, match="role"):
+        key.sign_record(bad)
+    assert key.sign_record(bad, validate=False).role == "king"  # forged on purpose; every reader drops it
