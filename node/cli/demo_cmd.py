@@ -14,7 +14,7 @@ def demo_cmd(
     out: Annotated[Path, typer.Option(help="Where to write report.json, report.png, the final checkpoint and logs.")] = Path("runs/demo"),
     skill: Annotated[Optional[list[str]], typer.Option(help="Skills to train (default: every built-in skill).")] = None,
     rounds: Annotated[int, typer.Option(help="Merge rounds.", min=1)] = 2,
-    minutes_per_round: Annotated[float, typer.Option(help="At most this many training minutes per worker per round (0: no limit).", min=0)] = 5.0,
+    minutes_per_round: Annotated[float, typer.Option(help="At most this many training minutes per worker per round (0: no limit).", min=0)] = 4.0,
     steps_per_round: Annotated[int, typer.Option(help="Optimizer steps per worker per round.", min=1)] = 100,
     method: Annotated[str, typer.Option(help="Merge method across skills.")] = "task_arithmetic",
     density: Annotated[float, typer.Option(help="Fraction of each delta kept by ties/dare/breadcrumbs.", min=0.01, max=1.0)] = 0.3,
