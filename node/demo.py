@@ -322,7 +322,7 @@ def plot_report(report: dict, png: Path) -> Path:
         ax.bar([x + 0.27 * (i - 1) for x in range(len(names))], values, 0.27, label=key, color=color)
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("held-out accuracy (%)")
-    ax.set_title(f"skillswarm demo: {report['method']}, {report['rounds']} rounds")
+    ax.set_title(f"skillswarm demo: {report.get('method_label', report['method'])}, {report['rounds']} rounds")
     ax.legend(frameon=False)
     fig.tight_layout()
     tmp = png.with_name(f".{png.name}.tmp.png")
