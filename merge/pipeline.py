@@ -46,6 +46,18 @@ def is_float(dtype: torch.dtype) -> bool:
     return dtype in FLOAT_DTYPES
 
 
+def check_delta_fits(base: Checkpoint, delta: DeltaFile) -> None:
+    """Every tensor the delta changes exists in the base with the same shape and a float dtype."""
+    for name in delta.names():
+        if name not in base:
+            raise MergeError(f"{delta.path} changes `{name}`, which {base.dir} does not have; "
+                             "is this delta for another model? (screen deltas with skillswarm.merge.screen_deltas)")
+        e = base.entry(name)
+        if e.shape != delta.shape(name) or not is_float(e.dtype):
+            raise MergeError(f"{delta.path}: `{name}` is {list(delta.shape(name))} but the base holds "
+                             f"{e.dtype} {list(e.shape)}; is this delta for another model?")
+
+
 def apply_rows(base: torch.Tensor, delta: torch.Tensor | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Output weights = base + delta, added in float32 (float64 for a float64 base), cast to `out_dtype`
     (default: the base's). The one definition of applying a delta, shared by merge and apply."""
@@ -161,14 +173,7 @@ class _ApplyEngine:
 
     def __init__(self, base: Checkpoint, delta: DeltaFile, out_dtype: torch.dtype | None) -> None:
         self.base, self.delta, self._out = base, delta, out_dtype
-        for name in delta.names():
-            if name not in base:
-                raise MergeError(f"{delta.path} changes `{name}`, which {base.dir} does not have; "
-                                 "is this delta for another model?")
-            e = base.entry(name)
-            if e.shape != delta.shape(name) or not is_float(e.dtype):
-                raise MergeError(f"{delta.path}: `{name}` is {list(delta.shape(name))} but the base holds "
-                                 f"{e.dtype} {list(e.shape)}; is this delta for another model?")
+        check_delta_fits(base, delta)
 
     def out_dtype(self, name: str) -> torch.dtype:
         dtype = self.base.entry(name).dtype

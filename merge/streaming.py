@@ -28,7 +28,7 @@ from skillswarm.merge.deltas import DeltaFile
 from skillswarm.merge.methods import Method, get_method
 from skillswarm.merge.methods.base import densities_for, input_limits, merge_chunk
 from skillswarm.merge.methods.sparsify import rng_key, trim_ranks
-from skillswarm.merge.pipeline import CHUNK_ELEMS, MergeResult, apply_rows, is_float, run_pipeline
+from skillswarm.merge.pipeline import CHUNK_ELEMS, MergeResult, apply_rows, check_delta_fits, is_float, run_pipeline
 from skillswarm.merge.tensorfile import numel
 from skillswarm.protocol.errors import MergeError
 from skillswarm.protocol.records import AGGREGATORS, MergePolicy
@@ -189,14 +189,7 @@ class _MergeEngine:
 def _check_sources(base: Checkpoint, src: Any) -> None:
     """Every tensor an input changes exists in the base with the same shape and a float dtype."""
     if isinstance(src, DeltaFile):
-        for name in src.names():
-            if name not in base:
-                raise MergeError(f"{src.path} changes `{name}`, which the base does not have "
-                                 "(screen deltas with skillswarm.merge.screen_deltas first)")
-            e = base.entry(name)
-            if e.shape != src.shape(name) or not is_float(e.dtype):
-                raise MergeError(f"{src.path}: `{name}` is {list(src.shape(name))}, the base's is {e.dtype} "
-                                 f"{list(e.shape)}; this delta is for another model")
+        check_delta_fits(base, src)
     else:
         if src.tuned.names() != base.names():
             raise MergeError(f"{src.path} and the base hold different tensors; models must share an architecture")

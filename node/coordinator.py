@@ -253,6 +253,24 @@ def _reject(d: DeltaManifest, reason: str) -> Rejection:
     return Rejection(blob=d.blob, author=d.author, skill=d.skill, reason=reason[:256])
 
 
+def merge_inputs(spec: NetworkSpec, dht, store: CheckpointStore, blobs: BlobStore, manifest: CheckpointManifest,
+                 *, progress: bool = False) -> tuple[Path, dict[str, list[tuple[Path, float]]]]:
+    """What a published merge was made from: its parent checkpoint (pulled if not local) and its included
+    deltas (fetched), grouped by skill, to recompute it or re-merge it another way."""
+    if manifest.parent_version is None:
+        raise SkillswarmError(f"v{manifest.version} is the genesis checkpoint; it was not merged from anything")
+    if not store.has(manifest.parent_version):
+        parent = dht.get_checkpoint(manifest.parent_version, trusted=spec.coordinators)
+        if parent is None:
+            raise SkillswarmError(f"parent v{manifest.parent_version} is neither local nor on the network")
+        pull(dht, spec, parent, store, blobs, progress=progress)
+    groups: dict[str, list[tuple[Path, float]]] = {}
+    for ref in manifest.included:
+        path = dht.fetch(ref.blob, max_size=MAX_DELTA_BYTES, store=blobs, progress=progress)
+        groups.setdefault(ref.skill, []).append((path, ref.weight))
+    return store.path(manifest.parent_version), groups
+
+
 def verify_checkpoint(spec: NetworkSpec, dht, store: CheckpointStore, blobs: BlobStore, manifest: CheckpointManifest,
                       *, progress: bool = False) -> tuple[bool, str]:
     """Recompute a published merge from its parent and included deltas; return (hash matches, recomputed hash)."""
@@ -260,20 +278,11 @@ def verify_checkpoint(spec: NetworkSpec, dht, store: CheckpointStore, blobs: Blo
 
     if manifest.parent_version is None:
         return manifest.weights_hash == spec.base_hash, spec.base_hash
-    parent = dht.get_checkpoint(manifest.parent_version, trusted=spec.coordinators)
-    if parent is None and not store.has(manifest.parent_version):
-        raise SkillswarmError(f"parent v{manifest.parent_version} is neither local nor on the network")
-    if not store.has(manifest.parent_version):
-        pull(dht, spec, parent, store, blobs, progress=progress)
-    groups: dict[str, list[tuple[Path, float]]] = {}
-    for ref in manifest.included:
-        path = dht.fetch(ref.blob, max_size=MAX_DELTA_BYTES, store=blobs, progress=progress)
-        groups.setdefault(ref.skill, []).append((path, ref.weight))
+    parent_dir, groups = merge_inputs(spec, dht, store, blobs, manifest, progress=progress)
     policy, seed = policy_from_manifest(manifest)
     staging = store.staging()
     try:
-        result = merge_checkpoint(store.path(manifest.parent_version), groups, policy, staging / "ckpt", seed=seed,
-                                  progress=progress)
+        result = merge_checkpoint(parent_dir, groups, policy, staging / "ckpt", seed=seed, progress=progress)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return result.weights_hash == manifest.weights_hash, result.weights_hash

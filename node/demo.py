@@ -244,17 +244,9 @@ def compare_methods(obs, spec: NetworkSpec, final: CheckpointManifest, cfg: Demo
     import shutil
 
     from skillswarm.merge import merge_checkpoint
-    from skillswarm.node.coordinator import MAX_DELTA_BYTES, evaluate_all
-    from skillswarm.node.pull import pull
+    from skillswarm.node.coordinator import evaluate_all, merge_inputs
 
-    parent = obs.dht.get_checkpoint(final.parent_version, trusted=spec.coordinators)
-    if parent is None:
-        raise SkillswarmError(f"checkpoint v{final.parent_version} is no longer on the network")
-    parent_dir = pull(obs.dht, spec, parent, obs.store, obs.blobs, progress=False)
-    groups: dict[str, list[tuple[Path, float]]] = {}
-    for ref in final.included:
-        groups.setdefault(ref.skill, []).append((obs.dht.fetch(ref.blob, max_size=MAX_DELTA_BYTES, store=obs.blobs),
-                                                 ref.weight))
+    parent_dir, groups = merge_inputs(spec, obs.dht, obs.store, obs.blobs, final)
     out = {}
     for text in cfg.compare:
         policy = parse_method(text, cfg)
