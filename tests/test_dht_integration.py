@@ -165,8 +165,12 @@ def test_writes_to_another_peers_subkey_are_rejected_by_every_peer(net: dict) ->
     p1_sub = next(s for s, (v, _) in _held_by(net, net["p1_id"], key).items() if _record_in(v).peer_id == net["p1_id"])
     own = rogue_id.sign_record(PeerRecord(network=NET, peer_id=rogue_id.peer_id, role="observer"))
     # control: the rogue's own record under its own subkey is accepted, so the rejections below are the validator's
-    good = signed_dht_record(rogue_id, encode_record(own), key, rogue_id.public_key_hex, ttl=2)
-    assert _store_everywhere(net, key, rogue_id.public_key_hex, good.value, good.expiration_time) == [[True]] * 3
+    good = signed_dht_record(rogue_id, encode_record(own), key, rogue_id.public_key_hex)
+    stored = _store_everywhere(net, key, rogue_id.public_key_hex, good.value, good.expiration_time)
+    for peer, ok in zip(_honest(net), stored):
+        # [False] here only means the peer already holds this very value: hivemind merges what a get finds into
+        # the dictionary it holds locally, so a peer whose heartbeat read the key after the first store has it
+        assert ok == [True] or _held_by(net, peer, key)[rogue_id.public_key_hex] == (good.value, good.expiration_time)
     # its record under p1's subkey, signed with its own key
     bad = signed_dht_record(rogue_id, encode_record(own), key, p1_sub)
     assert _store_everywhere(net, key, p1_sub, bad.value, bad.expiration_time) == [[False]] * 3
