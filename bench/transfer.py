@@ -9,7 +9,8 @@
 
 The ways run interleaved, `--repeat` times; the best run of each counts (the machine may be shared). CPU
 time per MB (median, every process of both sides: the two DHT processes, the two p2pds) is printed too: it
-depends far less on other load than MB/s does. Goal: project >= 0.8x bare.
+depends far less on other load than MB/s does. So does the fetcher's own work alone (sha256, append,
+write-back, fsync; no network), its ceiling on this disk and CPU. Goal: project >= 0.8x bare.
 """
 
 from __future__ import annotations
@@ -100,6 +101,24 @@ async def asyncio_receive(_dht: hivemind.DHT, node: hivemind.DHTNode, peer: str,
     return time.perf_counter() - start
 
 
+# ---- the fetcher's own work, alone --------------------------------------------------------------------
+def sink_rate(n: int, root: str) -> float:
+    """MB/s of what a fetch does to each byte besides receiving it (sha256, append, write-back, final
+    fsync), in this process with nothing else running: the fetcher's ceiling on this disk and CPU."""
+    from skillswarm.protocol.transfer import _Partial
+
+    block = memoryview(os.urandom(CHUNK))
+    part = _Partial.open(Path(root) / "sink.part", Path(root) / "sink", 5.0)
+    start = time.perf_counter()
+    for i in range(0, n, CHUNK):
+        part.append(block[: min(CHUNK, n - i)])
+    part.publish(Path(root) / "sink")
+    took = time.perf_counter() - start
+    part.close()
+    os.unlink(Path(root) / "sink")
+    return n / 1e6 / took
+
+
 # ---- plain TCP ------------------------------------------------------------------------------------
 def _tcp_server(sock: socket.socket, n: int) -> None:
     block = bytes(CHUNK)
@@ -181,6 +200,7 @@ def main() -> None:
                     for name, way in ways.items():
                         runs[name].append(_measure(way, both_sides))
                 assert store.verify(info["sha"]), "the fetched blob does not match its sha256"
+            sink = max(sink_rate(n, tmp) for _ in range(args.repeat))
         finally:
             provider.stdin.close()
             provider.wait(30)
@@ -192,7 +212,7 @@ def main() -> None:
         "project_mb_s": round(rate["project"], 1), "bare_stream_mb_s": round(rate["bare"], 1),
         "tcp_mb_s": round(rate["tcp"], 1),
         "ratio_vs_bare": round(rate["project"] / rate["bare"], 3), "ratio_vs_tcp": round(rate["project"] / rate["tcp"], 3),
-        "hivemind_streamreader_mb_s": round(rate["asyncio"], 1),
+        "hivemind_streamreader_mb_s": round(rate["asyncio"], 1), "fetcher_sink_mb_s": round(sink, 1),
         "project_cpu_ms_per_mb": round(cpu["project"], 2), "bare_cpu_ms_per_mb": round(cpu["bare"], 2),
     }
     if args.json:
@@ -204,6 +224,7 @@ def main() -> None:
     print(f"  bare stream     {result['bare_stream_mb_s']:8.1f} MB/s   {result['bare_cpu_ms_per_mb']:.2f} CPU ms/MB")
     print(f"  plain TCP       {result['tcp_mb_s']:8.1f} MB/s")
     print(f"  (bare stream read through hivemind's asyncio StreamReader: {result['hivemind_streamreader_mb_s']:.1f} MB/s)")
+    print(f"  (sha256 + append + write-back + fsync alone, no network: {result['fetcher_sink_mb_s']:.1f} MB/s)")
     print(f"  project / bare  {result['ratio_vs_bare']:.3f}   (goal >= 0.8)")
     print(f"  project / tcp   {result['ratio_vs_tcp']:.3f}")
 

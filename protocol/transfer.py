@@ -35,6 +35,7 @@ import msgspec
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from skillswarm.protocol.atomic import WriteBehind
 from skillswarm.protocol.blobs import BlobStore, check_sha256
 from skillswarm.protocol.errors import BlobError
 from skillswarm.protocol.streams import open_stream, recv_exact, send_all, send_file_range
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 HANDLER = f"skillswarm/v{PROTOCOL_VERSION}/blob"
 CHUNK = 1 << 20  # the most bytes one read or write moves
-SYNC_EVERY = 16 << 20  # bytes a download appends between fdatasyncs
+SYNC_EVERY = 16 << 20  # bytes a download appends between write-back steps
 _MAX_FRAME = 4096
 
 
@@ -188,7 +189,8 @@ class _Partial:
 
     def __init__(self, path: Path, file: Any) -> None:
         self.path, self.file = path, file
-        self.hasher, self.offset, self._synced = hashlib.sha256(), 0, 0
+        self.hasher, self.offset = hashlib.sha256(), 0
+        self._writeback = WriteBehind(file.fileno(), SYNC_EVERY)
 
     @classmethod
     def open(cls, path: Path, final: Path, wait_s: float) -> _Partial | None:
@@ -213,6 +215,7 @@ class _Partial:
             while block := f.read(CHUNK):
                 part.hasher.update(block)
                 part.offset += len(block)
+            part._writeback.reset(part.offset)
             return part
         return None
 
@@ -221,14 +224,13 @@ class _Partial:
         while data:
             data = data[self.file.write(data):]
         self.offset = self.file.tell()
-        if self.offset - self._synced >= SYNC_EVERY:  # write back as we go: the final fsync has little left
-            os.fdatasync(self.file.fileno())
-            self._synced = self.offset
+        self._writeback.advance(self.offset)  # write back as we go: the final fsync has little left
 
     def reset(self) -> None:
         """Throw every byte away (they failed verification)."""
         self.file.truncate(0)
-        self.hasher, self.offset, self._synced = hashlib.sha256(), 0, 0
+        self.hasher, self.offset = hashlib.sha256(), 0
+        self._writeback.reset()
 
     def publish(self, final: Path) -> None:
         """Make the verified file durable and give it its final name."""
