@@ -42,9 +42,11 @@ class DemoConfig:
 
     out: Path
     skills: list[str]
-    rounds: int = 2
-    steps_per_round: int = 100  # the same steps for every skill: time-boxed rounds starve the slow (multi-turn) ones
-    minutes_per_round: float | None = 4.0  # a cap, so `make demo` stays within 15 minutes on 2 cores
+    # More, shorter rounds keep more of each gain than fewer, longer ones (same steps in all; see the README):
+    # every skill re-learns on the merged model, and the last round's deltas, the ones merged last, are small.
+    rounds: int = 4
+    steps_per_round: int = 50  # the same steps for every skill: time-boxed rounds starve the slow (multi-turn) ones
+    minutes_per_round: float | None = 2.0  # a cap, so `make demo` stays within 15 minutes on 2 cores
     method: str = "task_arithmetic"
     density: float = 0.3
     scale: float = 0.6  # 4 dense RL deltas summed at lambda=1 overshoot; 0.6 kept the most (see the README)

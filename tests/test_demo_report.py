@@ -57,3 +57,16 @@ def test_method_specs_parse_or_say_how_to_fix(tmp_path: Path) -> None:
             continue
         with pytest.raises(SkillswarmError, match="METHOD@LAMBDA"):
             parse_method(bad, cfg)
+
+
+def test_the_cli_runs_the_demo_with_the_configs_defaults(tmp_path: Path) -> None:
+    """`skillswarm demo` and `DemoConfig` state the recipe twice; the README's figures are for both."""
+    import inspect
+
+    from skillswarm.node.cli.demo_cmd import demo_cmd
+
+    cfg = DemoConfig(out=tmp_path, skills=["arith"])
+    cli = {name: p.default for name, p in inspect.signature(demo_cmd).parameters.items()}
+    assert (cli["rounds"], cli["steps_per_round"], cli["minutes_per_round"], cli["method"], cli["density"],
+            cli["lambda_"], cli["eval_n"]) == (cfg.rounds, cfg.steps_per_round, cfg.minutes_per_round, cfg.method,
+                                               cfg.density, cfg.scale, cfg.eval_n)

@@ -13,9 +13,9 @@ from skillswarm.node.cli.common import JsonOpt, console, err_console, print_json
 def demo_cmd(
     out: Annotated[Path, typer.Option(help="Where to write report.json, report.png, the final checkpoint and logs.")] = Path("runs/demo"),
     skill: Annotated[Optional[list[str]], typer.Option(help="Skills to train (default: every built-in skill).")] = None,
-    rounds: Annotated[int, typer.Option(help="Merge rounds.", min=1)] = 2,
-    minutes_per_round: Annotated[float, typer.Option(help="At most this many training minutes per worker per round (0: no limit).", min=0)] = 4.0,
-    steps_per_round: Annotated[int, typer.Option(help="Optimizer steps per worker per round.", min=1)] = 100,
+    rounds: Annotated[int, typer.Option(help="Merge rounds.", min=1)] = 4,
+    minutes_per_round: Annotated[float, typer.Option(help="At most this many training minutes per worker per round (0: no limit).", min=0)] = 2.0,
+    steps_per_round: Annotated[int, typer.Option(help="Optimizer steps per worker per round.", min=1)] = 50,
     method: Annotated[str, typer.Option(help="Merge method across skills.")] = "task_arithmetic",
     density: Annotated[float, typer.Option(help="Fraction of each delta kept by ties/dare/breadcrumbs.", min=0.01, max=1.0)] = 0.3,
     lambda_: Annotated[float, typer.Option("--lambda", help="Scale of the merged task vector.", min=0.01, max=100.0)] = 0.6,
@@ -34,7 +34,9 @@ def demo_cmd(
     skills = skill or ["arith", "reverse", "sort", "calc"]
     cfg = DemoConfig(out=out.resolve(), skills=skills, rounds=rounds, steps_per_round=steps_per_round,
                      minutes_per_round=minutes_per_round or None, method=method, density=density, scale=lambda_,
-                     compare=[] if no_compare else (compare or ["ties@1", "task_arithmetic@1"]), eval_n=eval_n)
+                     eval_n=eval_n)
+    if no_compare or compare:
+        cfg.compare = [] if no_compare else compare
     for text in [method, *cfg.compare]:
         parse_method(text, cfg)  # a typo fails now, not after the rounds
     if not json:
