@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Annotated, Optional
 
 import typer
@@ -67,6 +68,9 @@ def main_options(
 
 def main() -> None:
     """Console-script entry point: run the app, turning our errors into clean messages."""
+    # Our commands show their own (rich) progress; Hugging Face's tqdm bars (e.g. "Writing model shards"
+    # on every save) would only interleave with it. The variable is read when transformers is imported.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         app()
     except SkillswarmError as e:
