@@ -47,13 +47,14 @@ def atomic_write_text(path: Path | str, text: str) -> Path:
 class WriteBehind:
     """Keeps a file being appended to from piling up dirty pages, without stalling the writer: every
     `window` bytes it starts write-back of the newest window and waits only for the one before (Linux
-    `sync_file_range`), so the final fsync has little left. Elsewhere it falls back to fdatasync."""
+    `sync_file_range`), so the final fsync has little left. Elsewhere it falls back to fdatasync. It is
+    advisory: its errors are ignored, and durability still comes from the fsync before the rename."""
 
     _START, _WAIT = 2, 1 | 4  # SYNC_FILE_RANGE_WRITE; SYNC_FILE_RANGE_WAIT_BEFORE | WAIT_AFTER
 
-    def __init__(self, fd: int, window: int = 16 << 20, start: int = 0) -> None:
+    def __init__(self, fd: int, window: int = 16 << 20) -> None:
         self.fd, self.window = fd, window
-        self._started = self._done = start
+        self._started = self._done = 0  # write-back started for [0, _started), finished for [0, _done)
 
     def advance(self, offset: int) -> None:
         """The file now holds `offset` bytes."""

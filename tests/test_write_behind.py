@@ -63,7 +63,8 @@ def test_a_resumed_or_truncated_file_restarts_its_windows_at_its_length(tmp_path
     path = tmp_path / "blob.part"
     path.write_bytes(os.urandom(5 * MB))
     with open(path, "ab", buffering=0) as f:
-        wb = WriteBehind(f.fileno(), window=2 * MB, start=5 * MB)
+        wb = WriteBehind(f.fileno(), window=2 * MB)
+        wb.reset(5 * MB)  # resuming a partial download of 5 MB
         _append(path, wb, 2)
         assert calls == [(5 * MB, 2 * MB)]
         f.truncate(0)

@@ -30,8 +30,9 @@ def demo_cmd(
 
     from skillswarm.node.cli.base_cmd import build_with_progress
     from skillswarm.node.demo import DemoConfig, parse_method, run_demo
+    from skillswarm.skills.registry import BUILTINS
 
-    skills = skill or ["arith", "reverse", "sort", "calc"]
+    skills = skill or list(BUILTINS)
     cfg = DemoConfig(out=out.resolve(), skills=skills, rounds=rounds, steps_per_round=steps_per_round,
                      minutes_per_round=minutes_per_round or None, method=method, density=density, scale=lambda_,
                      eval_n=eval_n)
