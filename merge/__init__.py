@@ -10,7 +10,8 @@ The API other parts call (see each module for details):
 - worker:      apply_delta(base_dir, merged_delta, out_dir) -> MergeResult (bit-identical to the coordinator's)
 - anyone:      read_delta(path), analyze_deltas(paths), merge_deltas / merge_models (plain N-input merges)
 
-Layout: methods/ (one file per method + registry), aggregate.py (intra-skill), codecs.py (per tensor),
+Layout: methods/ (one file per method + registry), aggregate.py (intra-skill), codecs.py (per tensor), exact.py
+(the bit-stable arithmetic every hashed computation uses),
 deltas.py (delta files), tensorfile.py + checkpoint.py (safetensors and HF directories), pipeline.py
 (chunked execution, apply), streaming.py (the merge), screening.py, diagnostics.py, recipe.py.
 """

@@ -8,7 +8,8 @@ cross-skill merge (Flower-style robust aggregation; plain functions over same-sh
   weighted mean; one outsized delta cannot pull the result further than a typical one.
 
 trimmed_mean and median ignore weights (order statistics are about counting peers, not trusting them).
-All sums run input by input in a fixed order, so results are bit-identical across threads and machines.
+All sums run input by input in a fixed order and norms are exact (exact.py), so results are bit-identical
+across threads, chunkings and machines.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from skillswarm.merge.exact import canonical_zeros, l2_norm
 from skillswarm.protocol.errors import MergeError
 from skillswarm.protocol.records import AGGREGATORS
 
@@ -38,7 +40,7 @@ def mean(xs: Sequence[torch.Tensor], weights: Sequence[float] | None = None) -> 
 
 
 def _sorted(xs: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.sort(torch.stack(list(xs)), dim=0).values
+    return torch.sort(canonical_zeros(torch.stack(list(xs))), dim=0).values  # -0.0 and 0.0 sort as equals
 
 
 def trimmed_mean(xs: Sequence[torch.Tensor], trim_fraction: float = 0.1) -> torch.Tensor:
@@ -79,7 +81,7 @@ def clipped_mean(xs: Sequence[torch.Tensor], weights: Sequence[float] | None = N
     if len(xs) == 1:
         return xs[0]
     if norms is None:
-        norms = [float(torch.linalg.vector_norm(x.to(torch.float64))) for x in xs]
+        norms = [l2_norm(x) for x in xs]
     return mean([x * f if f != 1.0 else x for x, f in zip(xs, clip_factors(norms))], weights)
 
 

@@ -11,7 +11,9 @@
 
 Tensors a codec cannot take (scalars and empty tensors for all, non-matrices for lora) are stored dense
 float32 under their own name. A tensor's encoding is read back from the parts it has, so every file
-decodes without outside knowledge. Decoding always yields float32.
+decodes without outside knowledge. Decoding always yields float32, and any row range decodes to the same bits as
+the same rows of the whole tensor on every machine (a LoRA product is ordered rank-1 updates, not a matmul:
+see exact.py); encoding runs once, by the delta's author, and others check its bytes by hash.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from skillswarm.merge.exact import cast, lora_product
 from skillswarm.merge.methods.sparsify import kth_largest_magnitudes
 from skillswarm.merge.tensorfile import TensorFile, numel
 from skillswarm.protocol.errors import MergeError
@@ -139,11 +142,11 @@ def encode_tensor(codec: str, name: str, x: torch.Tensor | Factors, params: Mapp
     x = x.detach().to(torch.float32)
     kind = tensor_kind(codec, x.shape)
     if kind == "dense":
-        return {name: x.to(DENSE_DTYPES.get(codec, torch.float32)).contiguous()}
+        return {name: cast(x, DENSE_DTYPES.get(codec, torch.float32)).contiguous()}
     if kind == "topk":
         idx = magnitude_topk_indices(x, topk_count(x.numel(), params["density"]))
         vdt = torch.bfloat16 if params["value_bits"] == 16 else torch.float32
-        return {name + "::idx": idx.to(_index_dtype(x.numel())), name + "::val": x.reshape(-1)[idx].to(vdt)}
+        return {name + "::idx": idx.to(_index_dtype(x.numel())), name + "::val": cast(x.reshape(-1)[idx], vdt)}
     if kind == "int8":
         rows = x.reshape(_int8_rows(x.shape), -1)
         scale = rows.abs().amax(dim=1) / 127.0
@@ -192,7 +195,7 @@ def decode_parts(kind: str, parts: Mapping[str, torch.Tensor], shape: Sequence[i
         if len(shape) >= 2:
             return (q.reshape(shape[0], -1) * scale[:, None]).reshape(shape)
         return (q * scale[0]).reshape(shape)
-    return (parts["::B"].to(torch.float32) @ parts["::A"].to(torch.float32)).reshape(shape)
+    return lora_product(parts["::B"], parts["::A"]).reshape(shape)
 
 
 def decode_rows(f: TensorFile, name: str, kind: str, shape: Sequence[int], r0: int, r1: int) -> torch.Tensor:

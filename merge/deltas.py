@@ -22,6 +22,7 @@ import torch
 from skillswarm.merge.checkpoint import Checkpoint
 from skillswarm.merge.codecs import (DENSE_DTYPES, SUFFIXES, Factors, codec_params, decode_parts, decode_rows,
                                      encode_tensor, part_layout, stored_kind, tensor_kind)
+from skillswarm.merge.exact import SquareSum
 from skillswarm.merge.progress import progress_bar
 from skillswarm.merge.tensorfile import DTYPES, TensorFile, TensorFileWriter, dtype_name, numel, row_chunks
 from skillswarm.protocol.atomic import atomic_open
@@ -159,12 +160,12 @@ class DeltaFile:
             yield name, self.get(name)
 
     def norm(self, chunk_elems: int = 1 << 22) -> float:
-        """L2 norm of the whole delta as decoded (streamed by row chunks)."""
-        total = 0.0
+        """L2 norm of the whole delta as decoded (streamed by row chunks; exact, so any chunking agrees)."""
+        total = SquareSum()
         for name, t in self.tensors.items():
             for r0, r1 in row_chunks(t.shape, chunk_elems):
-                total += float(torch.sum(torch.square(self.rows(name, r0, r1).to(torch.float64))))
-        return math.sqrt(total)
+                total.add(self.rows(name, r0, r1))
+        return total.norm()
 
     def close(self) -> None:
         """Release the file."""
@@ -205,7 +206,8 @@ class _DeltaWriter:
             declared[name] = [dtype, list(shape)]
         self.layout = {n: (d, s) for n, d, s in layout}
         self.w = TensorFileWriter(f, layout, _metadata(codec, params, declared, base_hash, skill))
-        self.sq_norm = self.sq_err = self.sq_ref = 0.0
+        self.sq_norm = SquareSum()
+        self.sq_err = self.sq_ref = 0.0
         self.exact = True
 
     def add(self, name: str, x: torch.Tensor | Factors, shape: tuple[int, ...]) -> None:
@@ -217,7 +219,7 @@ class _DeltaWriter:
             self.w.write(part, t)
         kind = tensor_kind(self.codec, shape) if not isinstance(x, tuple) else "lora"
         decoded = decode_parts(kind, {p[len(name):]: t for p, t in parts.items()}, shape)
-        self.sq_norm += float(torch.linalg.vector_norm(decoded)) ** 2
+        self.sq_norm.add(decoded)
         if isinstance(x, tuple):
             self.exact = False
         else:
@@ -230,7 +232,7 @@ class _DeltaWriter:
         sha, size = self.w.close()
         err = math.sqrt(self.sq_err / self.sq_ref) if self.exact and self.sq_ref > 0 else (0.0 if self.exact else None)
         return DeltaInfo(path=path, sha256=sha, size=size, codec=self.codec, params=dict(self.params),
-                         norm=math.sqrt(self.sq_norm), num_tensors=n, error=err, base_hash=base_hash, skill=skill)
+                         norm=self.sq_norm.norm(), num_tensors=n, error=err, base_hash=base_hash, skill=skill)
 
 
 def encode_delta(delta: Mapping[str, torch.Tensor | Factors] | tuple[Path | str, Path | str], out_path: Path | str,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +26,7 @@ import torch
 
 from skillswarm.merge.checkpoint import DEFAULT_SHARD_BYTES, Checkpoint, CheckpointWriter
 from skillswarm.merge.deltas import FLOAT_DTYPES, DeltaFile, DeltaInfo, _metadata
+from skillswarm.merge.exact import SquareSum, cast, check_float_environment
 from skillswarm.merge.progress import progress_bar
 from skillswarm.merge.tensorfile import TensorFileWriter, dtype_name, row_chunks
 from skillswarm.protocol.atomic import atomic_open
@@ -64,7 +64,7 @@ def apply_rows(base: torch.Tensor, delta: torch.Tensor | None, out_dtype: torch.
     if delta is None:
         return base if out_dtype in (None, base.dtype) else base.to(out_dtype)
     work = torch.promote_types(base.dtype, torch.float32)
-    return (base.to(work) + delta.to(work)).to(out_dtype or base.dtype)
+    return cast(base.to(work) + delta.to(work), out_dtype or base.dtype)
 
 
 @dataclass(frozen=True)
@@ -97,17 +97,17 @@ class _MergedDelta:
     def __init__(self, f: IO[bytes], codec: str, layout: list, declared: dict, base_hash: str | None) -> None:
         self.codec = codec
         self.w = TensorFileWriter(f, layout, _metadata(codec, {}, declared, base_hash, None))
-        self.sq = 0.0
+        self.sq = SquareSum()
         self.n = len(layout)
         self.base_hash = base_hash
 
     def write(self, name: str, d: torch.Tensor) -> None:
         self.w.write(name, d)
-        self.sq += float(torch.sum(torch.square(d.to(torch.float64))))
+        self.sq.add(d)
 
     def info(self, path: Path) -> DeltaInfo:
         sha, size = self.w.close()
-        return DeltaInfo(path=path, sha256=sha, size=size, codec=self.codec, params={}, norm=math.sqrt(self.sq),
+        return DeltaInfo(path=path, sha256=sha, size=size, codec=self.codec, params={}, norm=self.sq.norm(),
                          num_tensors=self.n, error=None, base_hash=self.base_hash)
 
 
@@ -117,6 +117,7 @@ def run_pipeline(engine: Engine, out_dir: Path | str, *, delta_out: Path | str |
                  chunk_elems: int = CHUNK_ELEMS, progress: bool = True, label: str = "merging") -> MergeResult:
     """Write `out_dir` (a checkpoint) and optionally `delta_out` (the merged delta) from `engine`."""
     t0 = time.perf_counter()
+    check_float_environment()
     base = engine.base
     names = base.names()
     layout = [(n, engine.out_dtype(n), base.entry(n).shape) for n in names]

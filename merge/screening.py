@@ -20,6 +20,7 @@ import torch
 
 from skillswarm.merge.checkpoint import Checkpoint
 from skillswarm.merge.deltas import DeltaFile
+from skillswarm.merge.exact import SquareSum
 from skillswarm.merge.pipeline import CHUNK_ELEMS, is_float
 from skillswarm.merge.progress import progress_bar
 from skillswarm.merge.tensorfile import dtype_name, numel, row_chunks
@@ -121,7 +122,7 @@ def _check_topk_index(f: DeltaFile, name: str, piece: int) -> None:
 
 
 def _norm_and_finite(f: DeltaFile, chunk_elems: int) -> float:
-    total = 0.0
+    total = SquareSum()
     for name in f.names():
         if f.tensors[name].kind == "topk":
             _check_topk_index(f, name, chunk_elems)
@@ -129,8 +130,8 @@ def _norm_and_finite(f: DeltaFile, chunk_elems: int) -> float:
             x = f.rows(name, r0, r1)
             if not bool(torch.isfinite(x).all()):
                 raise _Reject(f"non-finite values (NaN or inf) in `{name}`")
-            total += float(torch.sum(torch.square(x.to(torch.float64))))
-    norm = math.sqrt(total)
+            total.add(x)
+    norm = total.norm()  # exact: the same figure, and so the same verdict, on every machine
     if not math.isfinite(norm):
         raise _Reject("its norm overflows")
     return norm

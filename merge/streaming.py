@@ -7,13 +7,13 @@ group. Everything runs per tensor, per row chunk, through `pipeline.run_pipeline
 (trim thresholds, clipping norms) are computed first by streaming passes over the chunks, so the result is
 the same as merging whole tensors, and memory stays a few chunks per input.
 
-Determinism: tensors in sorted order, fixed summation order, exact thresholds, DARE masks keyed by
-(seed, tensor, group key): the same inputs give byte-identical files and the same weights hash.
+Determinism: tensors in sorted order, fixed summation order, exact thresholds and norms, DARE masks keyed
+by (seed, tensor, group key), only elementwise IEEE operations on the values (exact.py): the same inputs give
+byte-identical files and the same weights hash on any CPU, with any chunk size or thread count.
 """
 
 from __future__ import annotations
 
-import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +25,7 @@ from skillswarm.merge.aggregate import aggregate
 from skillswarm.merge.checkpoint import DEFAULT_SHARD_BYTES, Checkpoint
 from skillswarm.merge.codecs import DENSE_DTYPES
 from skillswarm.merge.deltas import DeltaFile
+from skillswarm.merge.exact import SquareSum, cast
 from skillswarm.merge.methods import Method, get_method
 from skillswarm.merge.methods.base import densities_for, input_limits, merge_chunk
 from skillswarm.merge.methods.sparsify import rng_key, trim_ranks
@@ -133,12 +134,12 @@ class _MergeEngine:
         return aggregate(self.aggregator, xs, g.weights, trim_fraction=self.trim, norms=norms)
 
     def _source_norm(self, src: Any, name: str, chunks: Sequence[tuple[int, int]]) -> float:
-        total = 0.0
+        total = SquareSum()
         for r0, r1 in chunks:
             x = src.rows(name, r0, r1)
             if x is not None:
-                total += float(torch.sum(torch.square(x.to(torch.float64))))
-        return math.sqrt(total)
+                total.add(x)
+        return total.norm()
 
     def prepare(self, name: str, chunks: Sequence[tuple[int, int]], pool: ThreadPoolExecutor) -> _Prep | None:
         if not is_float(self.base.entry(name).dtype):
@@ -182,7 +183,7 @@ class _MergeEngine:
         offset = r0 * (numel(entry.shape[1:]) if entry.shape else 1)
         merged = merge_chunk(self.method, self.params, ts, [g.weight for g in self.groups], self.densities,
                              limits, keys, offset, owned=True)
-        d = merged.to(self._delta)
+        d = cast(merged, self._delta)
         return apply_rows(base_rows, d, self.out_dtype(name)), d
 
 

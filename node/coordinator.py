@@ -34,6 +34,19 @@ MANIFEST_TTL = 24 * 3600.0  # re-stored every ttl/3 while the coordinator runs
 MAX_DELTA_BYTES = 64 << 30
 
 
+@dataclass(frozen=True)
+class MergeOptions:
+    """How this machine runs a merge (never what it computes: any values give the same bits). None: the
+    merge engine's defaults."""
+
+    threads: int | None = None  # merge compute threads
+    chunk_elems: int | None = None  # elements per row chunk: memory per input
+
+    def kwargs(self) -> dict[str, int]:
+        """The keyword arguments of `merge_checkpoint` these options set."""
+        return {k: v for k, v in (("workers", self.threads), ("chunk_elems", self.chunk_elems)) if v}
+
+
 @dataclass
 class RoundReport:
     """What one merge round did (for logs, the CLI and the demo)."""
@@ -97,12 +110,13 @@ class Coordinator:
 
     def __init__(self, spec: NetworkSpec, identity: Identity, dht, store: CheckpointStore, blobs: BlobStore, *,
                  eval_n: int = 64, poll: float = 2.0, progress: bool = False,
-                 on_event: Callable[[str, dict], None] | None = None) -> None:
+                 on_event: Callable[[str, dict], None] | None = None, merge_options: MergeOptions | None = None) -> None:
         if identity.public_key_hex not in spec.coordinators:
             raise SpecError("this node's key is not among the network's coordinators; workers would ignore its "
                             "checkpoints (add its public key from `skillswarm id` to `coordinators`)")
         self.spec, self.identity, self.dht, self.store, self.blobs = spec, identity, dht, store, blobs
         self.eval_n, self.poll, self.progress = eval_n, poll, progress
+        self.merge_options = merge_options or MergeOptions()
         self.on_event = on_event or (lambda kind, data: None)
         self.state = "starting"
 
@@ -194,7 +208,7 @@ class Coordinator:
             failpoints.hit("coordinator.before_merge")
             result = merge_checkpoint(base_dir, groups, policy, out, seed=seed, delta_out=staging / "merged.safetensors",
                                       delta_codec=dense_codec_for(base_dir), base_hash=current.weights_hash,
-                                      progress=self.progress)
+                                      progress=self.progress, **self.merge_options.kwargs())
             failpoints.hit("coordinator.after_merge")
             self.state = "evaluating"
             metrics = evaluate_all(out, list(self.spec.skills), self.eval_n)
@@ -271,18 +285,33 @@ def merge_inputs(spec: NetworkSpec, dht, store: CheckpointStore, blobs: BlobStor
     return store.path(manifest.parent_version), groups
 
 
+@dataclass(frozen=True)
+class Verification:
+    """A recomputed merge against its manifest: the checkpoint's weights hash and the merged delta's sha256."""
+
+    weights_hash: str
+    merged_delta: str | None  # None for the genesis checkpoint, which has no merged delta
+    match: bool
+
+
 def verify_checkpoint(spec: NetworkSpec, dht, store: CheckpointStore, blobs: BlobStore, manifest: CheckpointManifest,
-                      *, progress: bool = False) -> tuple[bool, str]:
-    """Recompute a published merge from its parent and included deltas; return (hash matches, recomputed hash)."""
+                      *, progress: bool = False, options: MergeOptions | None = None) -> Verification:
+    """Recompute a published merge from its parent and included deltas, here, with this machine's threads and
+    chunk size (`options`): both the checkpoint's weights hash and the merged delta workers apply must match."""
     from skillswarm.merge import merge_checkpoint
 
     if manifest.parent_version is None:
-        return manifest.weights_hash == spec.base_hash, spec.base_hash
+        return Verification(spec.base_hash, None, manifest.weights_hash == spec.base_hash)
     parent_dir, groups = merge_inputs(spec, dht, store, blobs, manifest, progress=progress)
     policy, seed = policy_from_manifest(manifest)
     staging = store.staging()
     try:
-        result = merge_checkpoint(parent_dir, groups, policy, staging / "ckpt", seed=seed, progress=progress)
+        result = merge_checkpoint(parent_dir, groups, policy, staging / "ckpt", seed=seed, progress=progress,
+                                  delta_out=staging / "merged.safetensors", delta_codec=dense_codec_for(parent_dir),
+                                  base_hash=manifest.parent_hash, **(options or MergeOptions()).kwargs())
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return result.weights_hash == manifest.weights_hash, result.weights_hash
+    assert result.delta is not None
+    want_delta = manifest.merged_delta.sha256 if manifest.merged_delta else None
+    ok = result.weights_hash == manifest.weights_hash and (want_delta is None or result.delta.sha256 == want_delta)
+    return Verification(result.weights_hash, result.delta.sha256, ok)

@@ -1,6 +1,8 @@
 """The whole loop on real peers: a bootstrap, a coordinator, two workers on two skills and a puller,
 each a separate `skillswarm` process on 127.0.0.1, one short round. A rogue peer publishes a
-checkpoint manifest signed by an untrusted key; workers and the puller must ignore it."""
+checkpoint manifest signed by an untrusted key; workers and the puller must ignore it. The network
+ships LoRA deltas, and a verifier with another thread count and chunk size (standing in for another
+CPU) recomputes the merge to the same bits."""
 
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ def test_one_round_end_to_end(nano_model: Path, tmp_path: Path) -> None:
     coord_key = tmp_path / "coordinator.key"
     spec_file = tmp_path / "net.toml"
     run_cli("net", "init", "--name", "e2e", "--model", str(nano_model), "--skill", "reverse", "--skill", "sort",
-            "--min-deltas", "2", "--steps-per-round", "3", "--method", "ties", "--codec", "dense_fp32",
+            "--min-deltas", "2", "--steps-per-round", "3", "--method", "ties", "--codec", "lora",
             "--key", str(coord_key), "--out", str(spec_file))
     spec = load_spec(spec_file)
     logs = tmp_path / "logs"
@@ -108,9 +110,10 @@ def test_one_round_end_to_end(nano_model: Path, tmp_path: Path) -> None:
                          env={"SKILLSWARM_HOME": str(tmp_path / "h-puller")})
         assert json.loads(pulled.stdout)["version"] == 1  # not the untrusted v7
 
-        verified = run_cli("coordinator", "run", "--verify", "--json", *join, timeout=180,
-                           env={"SKILLSWARM_HOME": str(tmp_path / "h-verifier")})
-        assert json.loads(verified.stdout)["match"] is True
+        verified = run_cli("coordinator", "run", "--verify", "--json", "--threads", "1", "--chunk-elems", "1000",
+                           *join, timeout=180, env={"SKILLSWARM_HOME": str(tmp_path / "h-verifier")})
+        check = json.loads(verified.stdout)
+        assert check["match"] is True and check["recomputed_merged_delta"] == check["published_merged_delta"], check
 
         for p in (coordinator, boot):
             p.terminate()

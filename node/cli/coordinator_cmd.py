@@ -20,6 +20,10 @@ def run(
     eval_n: Annotated[int, typer.Option(help="Held-out episodes per skill when evaluating a merge.")] = 64,
     verify: Annotated[bool, typer.Option("--verify", help="Recompute a published merge and report whether its hash matches.")] = False,
     version: Annotated[Optional[int], typer.Option(help="With --verify: the version to check (default: latest).")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads for merging (default: up to 4).", min=1)] = None,
+    chunk_elems: Annotated[Optional[int], typer.Option(
+        help="Elements per row chunk of the streaming merge, which bounds memory per delta (default: the "
+             "engine's). Results never depend on it or on --threads.", min=1)] = None,
     host: HostOpt = "0.0.0.0",
     port: PortOpt = 0,
     announce: AnnounceOpt = None,
@@ -29,10 +33,15 @@ def run(
 ) -> None:
     """Collect, verify, screen and merge each round's deltas; evaluate every skill; publish the signed
     checkpoint. A coordinator killed mid-round restarts without publishing a version twice."""
-    from skillswarm.node.coordinator import Coordinator, verify_checkpoint
+    from skillswarm.node.coordinator import Coordinator, MergeOptions, verify_checkpoint
     from skillswarm.node.pull import find_checkpoint
     from skillswarm.node.session import open_session, stop_on_signals
 
+    options = MergeOptions(threads=threads, chunk_elems=chunk_elems)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)  # torch's own kernels too, not only the merge's thread pool
     with stop_on_signals() as stop, open_session(network, key=key, peers=peers, host=host, port=port,
                                                  announce=announce or (), auto_relay=auto_relay,
                                                  ephemeral_key=verify and key is None) as s:
@@ -40,15 +49,19 @@ def run(
             manifest = find_checkpoint(s.dht, s.spec, version)
             if manifest is None:
                 fail(f"no trusted checkpoint{'' if version is None else f' v{version}'} found on {s.spec.network}")
-            ok, got = verify_checkpoint(s.spec, s.dht, s.store, s.blobs, manifest, progress=not json)
-            result = {"version": manifest.version, "published_hash": manifest.weights_hash, "recomputed_hash": got,
-                      "match": ok}
+            v = verify_checkpoint(s.spec, s.dht, s.store, s.blobs, manifest, progress=not json, options=options)
+            published_delta = manifest.merged_delta.sha256 if manifest.merged_delta else None
+            result = {"version": manifest.version, "published_hash": manifest.weights_hash,
+                      "recomputed_hash": v.weights_hash, "published_merged_delta": published_delta,
+                      "recomputed_merged_delta": v.merged_delta, "match": v.match}
             if json:
                 print_json(result)
             else:
-                verdict = "[bold green]matches[/]" if ok else "[bold red]DOES NOT MATCH[/]"
-                console.print(f"v{manifest.version}: recomputed {got[:16]} {verdict} published {manifest.weights_hash[:16]}")
-            if not ok:
+                verdict = "[bold green]matches[/]" if v.match else "[bold red]DOES NOT MATCH[/]"
+                console.print(f"v{manifest.version}: recomputed {v.weights_hash[:16]} {verdict} published "
+                              f"{manifest.weights_hash[:16]} (merged delta {str(v.merged_delta)[:16]} vs "
+                              f"{str(published_delta)[:16]})", highlight=False)
+            if not v.match:
                 raise typer.Exit(3)
             return
 
@@ -62,7 +75,8 @@ def run(
                 console.print(f"merged v{data['version']}: {data['included']} in, {data['rejected']} rejected, "
                               f"{data['seconds']:.1f}s; accuracy {accs}")
 
-        coordinator = Coordinator(s.spec, s.identity, s.dht, s.store, s.blobs, eval_n=eval_n, on_event=event)
+        coordinator = Coordinator(s.spec, s.identity, s.dht, s.store, s.blobs, eval_n=eval_n, on_event=event,
+                                  merge_options=options)
         s.dht.start_heartbeat(lambda: s.dht.make_peer_record(role="coordinator", state=coordinator.state,
                                                              checkpoint_version=s.store.latest()),
                               interval=10.0, ttl=30.0)

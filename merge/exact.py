@@ -1,0 +1,144 @@
+"""Arithmetic whose bits feed a published hash, written so that every CPU, torch build, thread count and
+chunk size gives the same bits.
+
+A verifier on another machine recomputes a coordinator's merge and must get the same weights hash. The
+merge is therefore built only from operations IEEE 754 defines exactly (one rounding, to nearest even):
+elementwise +, -, *, /, casts to wider or equal formats, comparisons, sign and selection ops, and exact
+selection/sorting of values. Such an op gives the same bits on x86 (any SIMD width), ARM and in scalar
+code. What is *not* exact and is kept out of hashed paths:
+
+- matrix products and BLAS (`@`, matmul): their summation order depends on shape, kernel and CPU;
+- floating-point reductions (`sum`, `norm`, `mean`): their order depends on vector width and threads;
+- fused multiply-add, which rounds once where mul-then-add rounds twice;
+- narrowing casts done by hardware instructions whose subnormal handling is mode-dependent.
+
+This module holds the exact replacements: the LoRA product as ordered rank-1 updates, sums of squares
+computed exactly in integers (so norms and the clipping factors derived from them are the same
+everywhere), a bit-level float32 -> bfloat16 cast, signed-zero canonicalization for sort-based
+aggregators, and a check that the process does not flush subnormals to zero.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from skillswarm.protocol.errors import MergeError
+
+_EXP_BUCKETS = 256  # one per float32 biased exponent (0 = subnormal, 255 = inf/nan)
+_BLOCK = 1 << 15  # elements per step of a blocked loop: its temporaries stay in the CPU's cache
+
+
+def lora_product(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """B @ A in float32 as the rank-1 updates B[:, k] * A[k, :] added in order k = 0 .. r-1, each product
+    and each sum rounded once. Row i depends only on B[i] and A, so any row range gives the same bits as
+    the same rows of the whole product (a matmul does not promise that: its order depends on shape and CPU)."""
+    b, a = b.to(torch.float32), a.to(torch.float32)
+    (m, r), n = b.shape, a.shape[1]
+    out = torch.zeros((m, n), dtype=torch.float32)
+    if r == 0 or n == 0:
+        return out
+    rows = max(1, _BLOCK // n)  # a block of rows takes all r updates while it is in cache
+    term = torch.empty((min(rows, m), n), dtype=torch.float32)
+    for i in range(0, m, rows):
+        bb, block = b[i:i + rows], out[i:i + rows]
+        t = term[:block.shape[0]]
+        torch.mul(bb[:, 0:1], a[0:1, :], out=block)
+        for k in range(1, r):
+            torch.mul(bb[:, k:k + 1], a[k:k + 1, :], out=t)  # separate kernels: never fused into an FMA
+            block.add_(t)
+    return out
+
+
+class SquareSum:
+    """The exact sum of squares of float32 values, rounded once when read: the same float for any order,
+    chunking, thread count or machine. Each x = m * 2^(e - 150) with an integer m < 2^24, so x^2 = m^2 *
+    2^(2e - 300); m^2 is split into two 24-bit halves summed per exponent in int64 (exact for up to 2^39
+    values per exponent), and the buckets are combined as one Python integer."""
+
+    def __init__(self) -> None:
+        self._hi = torch.zeros(_EXP_BUCKETS, dtype=torch.int64)
+        self._lo = torch.zeros(_EXP_BUCKETS, dtype=torch.int64)
+        self._nan = False
+
+    def add(self, x: torch.Tensor) -> None:
+        """Add the squares of every element of `x` (any float dtype; widened to float32 exactly, and
+        float64 inputs are rounded to float32 first)."""
+        flat = x.detach().to(torch.float32).contiguous().reshape(-1)
+        specials = int(self._hi[255])  # inf and nan land in bucket 255 (their implicit bit makes hi > 0)
+        for i in range(0, flat.numel(), _BLOCK):
+            bits = flat[i:i + _BLOCK].view(torch.int32)
+            exp = (bits >> 23) & 0xFF
+            mant = (bits & 0x7FFFFF) | ((exp != 0).to(torch.int32) << 23)  # implicit bit of normal numbers
+            where = exp.clamp_min(1).to(torch.int64)  # a subnormal scales like exponent 1, without the bit
+            sq = mant.to(torch.int64)
+            sq.mul_(sq)
+            self._hi.index_add_(0, where, sq >> 24)
+            self._lo.index_add_(0, where, sq & 0xFFFFFF)
+        if int(self._hi[255]) != specials:
+            self._nan = self._nan or bool(torch.isnan(flat).any())
+
+    def value(self) -> float:
+        """The sum, correctly rounded to float64 (inf if any value was infinite, nan if any was nan)."""
+        if self._nan:
+            return math.nan
+        if int(self._hi[255]):
+            return math.inf
+        total = 0
+        for e, (hi, lo) in enumerate(zip(self._hi.tolist(), self._lo.tolist())):
+            if hi or lo:
+                total += ((hi << 24) + lo) << (2 * e)
+        return math.ldexp(float(total), -300)  # int -> float rounds once; scaling by 2^-300 is exact here
+
+    def norm(self) -> float:
+        """sqrt of the sum (IEEE sqrt is correctly rounded, so this is machine-independent too)."""
+        return math.sqrt(self.value())
+
+
+def l2_norm(*xs: torch.Tensor) -> float:
+    """The exact-then-rounded L2 norm of one or more tensors taken together."""
+    s = SquareSum()
+    for x in xs:
+        s.add(x)
+    return s.norm()
+
+
+def to_bfloat16(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> bfloat16, rounding to nearest even on the bit pattern (NaN -> one quiet NaN). Integer
+    ops only, so subnormals round like every other value whatever the CPU's bf16 instructions do."""
+    f = x.detach().to(torch.float32).contiguous()
+    bits = torch.where(torch.isnan(f), torch.tensor(0x7FC00000, dtype=torch.int32), f.view(torch.int32))
+    # bits + 0x7FFF + lsb never overflows int32 once NaNs are replaced; >> is arithmetic, so a negative
+    # value's top half comes out sign-extended and fits int16 with the right bit pattern.
+    rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
+    return rounded.to(torch.int16).view(torch.bfloat16)
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x.to(dtype)`, with the one narrowing cast that hardware may do differently (to bfloat16) done
+    bit-exactly; float16 narrowing is IEEE conversion (F16C, FCVT or software agree), widening is exact."""
+    if dtype == torch.bfloat16 and x.dtype in (torch.float32, torch.float64):
+        return to_bfloat16(x)
+    return x.to(dtype)
+
+
+def canonical_zeros(x: torch.Tensor) -> torch.Tensor:
+    """Turn -0.0 into +0.0 in place (x + 0.0 does exactly that under round-to-nearest), so that sorting,
+    which cannot tell the two zeros apart, puts the same bits in every position on every machine."""
+    return x.add_(0.0)
+
+
+def check_float_environment() -> None:
+    """Refuse to merge in a process that flushes subnormals to zero (FTZ/DAZ: torch.set_flush_denormal(True),
+    or a library built with -ffast-math): its merges would differ from every other machine's."""
+    bits = torch.full((1 << 17,), 0x00400000, dtype=torch.int32)  # 2^-127, a subnormal, built from its bits;
+    same = torch.equal((bits.view(torch.float32) * 1.0).view(torch.int32), bits)  # big enough for worker threads
+    if not same:
+        raise MergeError("this process flushes subnormal floats to zero (torch.set_flush_denormal(True), or a "
+                         "library built with -ffast-math); its merges would not match other machines'. Merge in a "
+                         "process without it (e.g. `skillswarm merge` from a shell)")
+
+
+__all__ = ["SquareSum", "canonical_zeros", "cast", "check_float_environment", "l2_norm", "lora_product",
+           "to_bfloat16"]
