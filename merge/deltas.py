@@ -178,6 +178,34 @@ class DeltaFile:
         self.close()
 
 
+def dense_codec_for(model_dir: Path | str) -> str:
+    """The dense codec in a checkpoint's own float dtype, so that applying a merged delta stored with it is
+    bit-exact (a bf16 checkpoint gets a bf16 merged delta)."""
+    ckpt = Checkpoint(model_dir)
+    try:
+        dtypes = {ckpt.entry(n).dtype for n in ckpt.names()} & set(FLOAT_DTYPES)
+    finally:
+        ckpt.close()
+    for codec, dtype in DENSE_DTYPES.items():
+        if dtypes == {dtype}:
+            return codec
+    return "dense_fp32"
+
+
+BYTES_PER_PARAM = 12  # the most any codec stores per weight: top-k at density 1 (int64 index + fp32 value)
+HEADER_BYTES = 1 << 20  # a delta file's header (names, shapes, metadata) stays far below this
+
+
+def max_delta_bytes(base_dir: Path | str) -> int:
+    """The most bytes a delta of this model can take, whatever its codec (a bound for downloads)."""
+    ckpt = Checkpoint(base_dir)
+    try:
+        params = sum(numel(ckpt.entry(n).shape) for n in ckpt.names() if ckpt.entry(n).dtype in FLOAT_DTYPES)
+    finally:
+        ckpt.close()
+    return params * BYTES_PER_PARAM + HEADER_BYTES
+
+
 def read_delta(path: Path | str) -> DeltaFile:
     """Open and validate a delta file (MergeError saying what is wrong otherwise)."""
     return DeltaFile(path)

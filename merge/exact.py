@@ -51,49 +51,81 @@ def lora_product(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class SquareSum:
-    """The exact sum of squares of float32 values, rounded once when read: the same float for any order,
-    chunking, thread count or machine. Each x = m * 2^(e - 150) with an integer m < 2^24, so x^2 = m^2 *
-    2^(2e - 300); m^2 is split into two 24-bit halves summed per exponent in int64 (exact for up to 2^39
-    values per exponent), and the buckets are combined as one Python integer."""
+def _split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 values as (exponent, integer mantissa) with x = mant * 2^(exp - 150) exactly; exp >= 1
+    (a subnormal scales like exponent 1, without the implicit bit). The mantissa carries x's sign."""
+    bits = x.view(torch.int32)
+    exp = (bits >> 23) & 0xFF
+    mant = (bits & 0x7FFFFF) | ((exp != 0).to(torch.int32) << 23)  # the implicit bit of normal numbers
+    mant = torch.where(bits < 0, -mant, mant)
+    return exp.clamp_min(1), mant
+
+
+class ProductSum:
+    """The exact sum of products x_i * y_i of float32 values, rounded once when read: the same float for any
+    order, chunking, thread count or machine. With x = mx * 2^(ex - 150) for an integer |mx| < 2^24, each
+    product is mx*my * 2^(ex + ey - 300); the integer (|mx*my| < 2^48) is split into a signed high and a
+    24-bit low part, summed per exponent in int64 (exact for up to 2^39 terms per exponent), and the
+    buckets are combined as one Python integer."""
+
+    _BUCKETS = 2 * _EXP_BUCKETS
 
     def __init__(self) -> None:
-        self._hi = torch.zeros(_EXP_BUCKETS, dtype=torch.int64)
-        self._lo = torch.zeros(_EXP_BUCKETS, dtype=torch.int64)
-        self._nan = False
+        self._hi = torch.zeros(self._BUCKETS, dtype=torch.int64)
+        self._lo = torch.zeros(self._BUCKETS, dtype=torch.int64)
+        self._nan = self._inf = False
 
-    def add(self, x: torch.Tensor) -> None:
-        """Add the squares of every element of `x` (any float dtype; widened to float32 exactly, and
-        float64 inputs are rounded to float32 first)."""
-        flat = x.detach().to(torch.float32).contiguous().reshape(-1)
-        specials = int(self._hi[255])  # inf and nan land in bucket 255 (their implicit bit makes hi > 0)
-        for i in range(0, flat.numel(), _BLOCK):
-            bits = flat[i:i + _BLOCK].view(torch.int32)
-            exp = (bits >> 23) & 0xFF
-            mant = (bits & 0x7FFFFF) | ((exp != 0).to(torch.int32) << 23)  # implicit bit of normal numbers
-            where = exp.clamp_min(1).to(torch.int64)  # a subnormal scales like exponent 1, without the bit
-            sq = mant.to(torch.int64)
-            sq.mul_(sq)
-            self._hi.index_add_(0, where, sq >> 24)
-            self._lo.index_add_(0, where, sq & 0xFFFFFF)
-        if int(self._hi[255]) != specials:
-            self._nan = self._nan or bool(torch.isnan(flat).any())
+    def add(self, x: torch.Tensor, y: torch.Tensor | None = None) -> None:
+        """Add sum(x * y) (y None: sum(x * x)); any float dtype, widened to float32 (float64 rounded to it)."""
+        fx = x.detach().to(torch.float32).contiguous().reshape(-1)
+        fy = fx if y is None else y.detach().to(torch.float32).contiguous().reshape(-1)
+        if fx.shape != fy.shape:
+            raise ValueError(f"products of tensors of different sizes: {fx.numel()} and {fy.numel()}")
+        for part in (fx,) if y is None else (fx, fy):
+            if not bool(torch.isfinite(part).all()):
+                self._nan = self._nan or bool(torch.isnan(part).any()) or y is not None
+                self._inf = True
+        for i in range(0, fx.numel(), _BLOCK):
+            ex, mx = _split(fx[i:i + _BLOCK])
+            if y is None:
+                where, prod = (2 * ex).to(torch.int64), mx.to(torch.int64)
+                prod.mul_(prod)
+            else:
+                ey, my = _split(fy[i:i + _BLOCK])
+                where, prod = (ex + ey).to(torch.int64), mx.to(torch.int64) * my.to(torch.int64)
+            self._hi.index_add_(0, where, prod >> 24)  # arithmetic shift: floor, so hi * 2^24 + lo == prod
+            self._lo.index_add_(0, where, prod & 0xFFFFFF)
 
     def value(self) -> float:
-        """The sum, correctly rounded to float64 (inf if any value was infinite, nan if any was nan)."""
+        """The sum, correctly rounded to float64 (inf if a square was infinite, nan for nan or inf * y)."""
         if self._nan:
             return math.nan
-        if int(self._hi[255]):
+        if self._inf:
             return math.inf
         total = 0
-        for e, (hi, lo) in enumerate(zip(self._hi.tolist(), self._lo.tolist())):
+        for b, (hi, lo) in enumerate(zip(self._hi.tolist(), self._lo.tolist())):
             if hi or lo:
-                total += ((hi << 24) + lo) << (2 * e)
+                total += ((hi << 24) + lo) << b
         return math.ldexp(float(total), -300)  # int -> float rounds once; scaling by 2^-300 is exact here
+
+
+class SquareSum(ProductSum):
+    """The exact sum of squares (see ProductSum), and the L2 norm it gives."""
+
+    def add(self, x: torch.Tensor, y: torch.Tensor | None = None) -> None:
+        """Add the squares of every element of `x`."""
+        super().add(x, None)
 
     def norm(self) -> float:
         """sqrt of the sum (IEEE sqrt is correctly rounded, so this is machine-independent too)."""
         return math.sqrt(self.value())
+
+
+def dot(x: torch.Tensor, y: torch.Tensor) -> float:
+    """The exactly computed, once-rounded dot product of two same-size tensors."""
+    s = ProductSum()
+    s.add(x, y)
+    return s.value()
 
 
 def l2_norm(*xs: torch.Tensor) -> float:
@@ -140,5 +172,5 @@ def check_float_environment() -> None:
                          "process without it (e.g. `skillswarm merge` from a shell)")
 
 
-__all__ = ["SquareSum", "canonical_zeros", "cast", "check_float_environment", "l2_norm", "lora_product",
-           "to_bfloat16"]
+__all__ = ["ProductSum", "SquareSum", "canonical_zeros", "cast", "check_float_environment", "dot", "l2_norm",
+           "lora_product", "to_bfloat16"]

@@ -20,7 +20,7 @@ import torch
 
 from skillswarm.merge.checkpoint import Checkpoint
 from skillswarm.merge.deltas import DeltaFile
-from skillswarm.merge.exact import SquareSum
+from skillswarm.merge.exact import ProductSum, SquareSum
 from skillswarm.merge.pipeline import CHUNK_ELEMS, is_float
 from skillswarm.merge.progress import progress_bar
 from skillswarm.merge.tensorfile import dtype_name, numel, row_chunks
@@ -172,3 +172,67 @@ def screen_deltas(base_dir: Path | str, candidates: Sequence[DeltaCandidate | Pa
         else:
             accepted[i] = Accepted(cands[i], norm, codec)
     return ScreenResult([accepted[i] for i in sorted(accepted)], [rejected[i] for i in sorted(rejected)], median)
+
+
+def norm_outlier(norm: float, reference: Sequence[float], min_ratio: float, max_ratio: float | None) -> str | None:
+    """Why `norm` is outside [min_ratio, max_ratio] x median(reference) (the accepted norms of the skill's
+    recent rounds), or None when it is inside or there is no reference yet."""
+    if not reference:
+        return None
+    median = statistics.median(reference)
+    if median <= 0:
+        return None
+    ratio = norm / median
+    if max_ratio is not None and ratio > max_ratio:
+        return f"norm {norm:.4g} is {ratio:.2f}x the median {median:.4g} of its skill's history (limit {max_ratio:g}x)"
+    if ratio < min_ratio:
+        return f"norm {norm:.4g} is {ratio:.3f}x the median {median:.4g} of its skill's history (floor {min_ratio:g}x)"
+    return None
+
+
+def consensus_cosines(base_dir: Path | str, paths: Sequence[Path | str], say: Sequence[float], *,
+                      chunk_elems: int = CHUNK_ELEMS) -> list[float | None]:
+    """For each delta, the cosine between it and the consensus of the *others*: sum_j say_j * d_j over j != i.
+    `say` is each delta's weight in the consensus (0: it has no say, e.g. a key with no record yet). None
+    where the others have no say or a vector is zero. Dot products are exact (the same figure on every
+    machine); one row chunk of every delta in memory at a time."""
+    if len(say) != len(paths):
+        raise MergeError("consensus_cosines needs one say per delta")
+    n = len(paths)
+    base = Checkpoint(base_dir)
+    files = [DeltaFile(p) for p in paths]
+    try:
+        own = [SquareSum() for _ in range(n)]  # |d_i|^2
+        cross = [ProductSum() for _ in range(n)]  # d_i . S, S = sum_j say_j d_j (rounded elementwise, fixed order)
+        total = SquareSum()  # |S|^2
+        for name in base.names():
+            if not is_float(base.entry(name).dtype) or not any(name in f for f in files):
+                continue
+            shape = base.entry(name).shape
+            for r0, r1 in row_chunks(shape, chunk_elems):
+                rows = [f.rows(name, r0, r1) if name in f else None for f in files]
+                s = None
+                for x, w in zip(rows, say):
+                    if x is not None and w:
+                        s = x * float(w) if s is None else s.add_(x * float(w))
+                if s is None:
+                    continue
+                total.add(s)
+                for i, x in enumerate(rows):
+                    if x is not None:
+                        own[i].add(x)
+                        cross[i].add(x, s)
+        out: list[float | None] = []
+        ss = total.value()
+        for i in range(n):
+            nn, ds = own[i].value(), cross[i].value()
+            w = float(say[i])
+            # the others' consensus C = S - w d_i: d.C = d.S - w|d|^2 and |C|^2 = |S|^2 - 2w d.S + w^2 |d|^2
+            dc, cc = ds - w * nn, ss - 2 * w * ds + w * w * nn
+            others = any(say[j] for j in range(n) if j != i)
+            out.append(dc / math.sqrt(nn * cc) if others and nn > 0 and cc > 1e-12 * ss else None)
+        return out
+    finally:
+        for f in files:
+            f.close()
+        base.close()

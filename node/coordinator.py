@@ -1,6 +1,12 @@
-"""The coordinator role: each round, collect the deltas trained on the current checkpoint, verify,
-fetch and screen them, merge them (robustly within a skill, then across skills with the network's
-method), evaluate every skill on the result, and publish checkpoint V+1 with a signed manifest.
+"""The coordinator role: each round, collect the deltas trained on the current checkpoint, screen them
+through the network's round strategy (manifest checks, caps, fetch, file checks, consensus, usefulness,
+weights: `node/rounds/`), merge what passes (robustly within a skill, then across skills with the network's
+method), evaluate every skill on the result, and publish checkpoint V+1 with a signed manifest that lists
+every inclusion and rejection with its figures.
+
+A round never stalls on a peer: only online workers' deltas count, downloads have deadlines and a budget,
+an empty round says so and keeps waiting, and an all-rejected round backs off (`net status` shows why)
+and retries only when new deltas arrive. Rejected blobs are deleted.
 
 Crash safety: a checkpoint is built in a staging dir and committed (with its signed manifest) by a
 rename before it is published; on restart, staging debris is removed and a committed but unpublished
@@ -10,6 +16,7 @@ version is published as it was signed, so a version is never merged or published
 from __future__ import annotations
 
 import logging
+import secrets
 import shutil
 import threading
 import time
@@ -17,21 +24,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import msgspec
+
+from skillswarm.merge.deltas import dense_codec_for
 from skillswarm.node import failpoints
 from skillswarm.node.pull import find_checkpoint, local_base, pull, share
+from skillswarm.node.rounds import Candidate, RoundContext, RoundStrategy, evaluate_all
+from skillswarm.node.rounds.context import clean_figures
 from skillswarm.node.store import CheckpointStore, checkpoint_files
 from skillswarm.protocol.blobs import BlobStore
-from skillswarm.protocol.errors import SkillswarmError, SpecError
+from skillswarm.protocol.codec import encode_record
+from skillswarm.protocol.errors import RecordError, SkillswarmError, SpecError
 from skillswarm.protocol.hashing import weights_hash
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.records import (
-    CheckpointManifest, DeltaManifest, DeltaRef, FileEntry, MergePolicy, NetworkSpec, Rejection, SkillMetrics,
+    CheckpointManifest, DeltaManifest, DeltaRef, FileEntry, MergePolicy, NetworkSpec, Rejection,
 )
 
 log = logging.getLogger(__name__)
 
 MANIFEST_TTL = 24 * 3600.0  # re-stored every ttl/3 while the coordinator runs
 MAX_DELTA_BYTES = 64 << 30
+KEEP_DELTA_ROUNDS = 8  # a merged round's deltas stay here (and served, for --verify) this many versions
+
+__all__ = ["Coordinator", "MergeOptions", "RoundReport", "RoundRejected", "Verification", "evaluate_all",
+           "merge_inputs", "verify_checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -49,12 +66,22 @@ class MergeOptions:
 
 @dataclass
 class RoundReport:
-    """What one merge round did (for logs, the CLI and the demo)."""
+    """What one merge round did (for logs, the CLI, the demo and the poisoning bench)."""
 
     manifest: CheckpointManifest
     seconds: float
     fetched: int
     rejected: list[Rejection] = field(default_factory=list)
+    step_seconds: dict[str, float] = field(default_factory=dict)
+
+
+class RoundRejected(SkillswarmError):
+    """Every candidate of a round was rejected; nothing to merge until new deltas arrive."""
+
+    def __init__(self, version: int, rejected: list[Rejection]) -> None:
+        reasons = "; ".join(f"{r.skill} {r.blob[:8]}: {r.reason}" for r in rejected[:4])
+        super().__init__(f"every delta of round v{version} was rejected ({len(rejected)}): {reasons}"[:1000])
+        self.rejected = rejected
 
 
 def merge_params(policy: MergePolicy, seed: int) -> dict[str, float]:
@@ -72,16 +99,6 @@ def policy_from_manifest(m: CheckpointManifest) -> tuple[MergePolicy, int]:
     return policy, int(p.get("seed", m.parent_version or 0))
 
 
-def dense_codec_for(model_dir: Path) -> str:
-    """The dense delta codec in the checkpoint's own dtype, so applying the merged delta is bit-exact."""
-    from safetensors import safe_open
-
-    first = sorted(model_dir.glob("*.safetensors"))[0]
-    with safe_open(str(first), framework="pt") as f:
-        dtype = f.get_slice(next(iter(f.keys()))).get_dtype()
-    return {"BF16": "dense_bf16", "F16": "dense_fp16"}.get(dtype, "dense_fp32")
-
-
 def genesis_manifest(spec: NetworkSpec, identity: Identity, base: Path) -> CheckpointManifest:
     """Checkpoint v0 = the network's base model, checked against the spec's base hash."""
     got = weights_hash(base)
@@ -92,17 +109,19 @@ def genesis_manifest(spec: NetworkSpec, identity: Identity, base: Path) -> Check
                                                    files=checkpoint_files(base)))
 
 
-def evaluate_all(model_dir: Path, skills: list[str], n: int) -> dict[str, SkillMetrics]:
-    """Held-out accuracy and mean reward of every skill on one checkpoint (greedy)."""
-    from skillswarm.node.evaluation import evaluate
-    from skillswarm.node.generation import HFEngine
-
-    engine = HFEngine.load(model_dir)
-    out = {}
-    for skill in skills:
-        r = evaluate(engine, skill, n=n)
-        out[skill] = SkillMetrics(accuracy=r.accuracy, mean_reward=r.mean_reward, n=r.n)
-    return out
+def fit_manifest(manifest: CheckpointManifest, identity: Identity) -> CheckpointManifest:
+    """Sign `manifest`, leaving out listed rejections (counted in `omitted`) until it fits its size cap."""
+    rejected = list(manifest.rejected)
+    while True:
+        left_out = len(manifest.rejected) - len(rejected)
+        m = identity.sign_record(msgspec.structs.replace(manifest, rejected=rejected, omitted=manifest.omitted + left_out))
+        try:
+            encode_record(m)
+            return m
+        except RecordError:
+            if not rejected:
+                raise
+            rejected = rejected[:len(rejected) * 3 // 4]
 
 
 class Coordinator:
@@ -110,15 +129,18 @@ class Coordinator:
 
     def __init__(self, spec: NetworkSpec, identity: Identity, dht, store: CheckpointStore, blobs: BlobStore, *,
                  eval_n: int = 64, poll: float = 2.0, progress: bool = False,
-                 on_event: Callable[[str, dict], None] | None = None, merge_options: MergeOptions | None = None) -> None:
+                 on_event: Callable[[str, dict], None] | None = None, merge_options: MergeOptions | None = None,
+                 strategy: RoundStrategy | None = None) -> None:
         if identity.public_key_hex not in spec.coordinators:
             raise SpecError("this node's key is not among the network's coordinators; workers would ignore its "
                             "checkpoints (add its public key from `skillswarm id` to `coordinators`)")
         self.spec, self.identity, self.dht, self.store, self.blobs = spec, identity, dht, store, blobs
         self.eval_n, self.poll, self.progress = eval_n, poll, progress
-        self.merge_options = merge_options or MergeOptions()
         self.on_event = on_event or (lambda kind, data: None)
+        self.merge_options = merge_options or MergeOptions()
+        self.strategy = strategy or RoundStrategy()
         self.state = "starting"
+        self.note = ""  # why the current round waits (shown by `net status`)
 
     # ---- publishing ---------------------------------------------------------------------------------
     def publish(self, manifest: CheckpointManifest) -> None:
@@ -164,70 +186,74 @@ class Coordinator:
         """The round's candidate deltas: for the current version and one of the network's skills."""
         return [d for d in self.dht.get_deltas(current.version) if d.skill in self.spec.skills]
 
+    def online_workers(self) -> set[str]:
+        """Keys of the workers whose peer record is alive (a stopped worker's deltas stop counting)."""
+        return {p.author for p in self.dht.get_peers() if p.role == "worker"}
+
     def ready(self, deltas: list[DeltaManifest], waited: float) -> bool:
         """The round policy: enough deltas, or the wait is over and there is at least one."""
         policy = self.spec.round
         return len(deltas) >= policy.min_deltas or (waited >= policy.max_wait_s and len(deltas) > 0)
 
-    def merge_round(self, current: CheckpointManifest, deltas: list[DeltaManifest]) -> RoundReport:
-        """Fetch, screen, merge, evaluate, commit and publish version current+1."""
-        from skillswarm.merge import DeltaCandidate, merge_checkpoint, screen_deltas
+    def history(self, current: CheckpointManifest) -> list[CheckpointManifest]:
+        """Trusted manifests of recent versions up to `current` (what reputations and norm bounds read)."""
+        depth = max(self.spec.trust.reputation_rounds, self.spec.screen.history_rounds)
+        since = max(0, current.version - depth + 1)
+        found = {m.version: m for m in self.dht.get_checkpoints(trusted=self.spec.coordinators, since=since)}
+        for v in self.store.versions():
+            if since <= v <= current.version:
+                found.setdefault(v, self.store.manifest(v))
+        found[current.version] = current
+        return [found[v] for v in sorted(found) if v <= current.version]
 
+    def merge_round(self, current: CheckpointManifest, deltas: list[DeltaManifest], online: set[str] | None = None,
+                    earlier: list[Rejection] = ()) -> RoundReport:
+        """Screen, merge, evaluate, commit and publish version current+1; `RoundRejected` if nothing passes.
+        `earlier`: this round's rejections from attempts that merged nothing (listed in the manifest too)."""
         t0 = time.monotonic()
         self.state = "merging"
-        base_dir = self.store.path(current.version)
-        rejected: list[Rejection] = []
-        candidates: list[tuple[DeltaManifest, DeltaCandidate]] = []
-        for d in sorted(deltas, key=lambda d: d.blob):
-            if d.base_hash != current.weights_hash:
-                rejected.append(_reject(d, "trained on a different base than the round's checkpoint"))
-                continue
-            try:
-                path = self.dht.fetch(d.blob, size=d.size, max_size=min(d.size, MAX_DELTA_BYTES), store=self.blobs,
-                                      progress=self.progress)
-            except SkillswarmError as e:
-                rejected.append(_reject(d, f"blob unavailable: {e}"))
-                continue
-            candidates.append((d, DeltaCandidate(path, key=d.blob, skill=d.skill, base_hash=d.base_hash)))
-        policy = self.spec.merge
-        screened = screen_deltas(base_dir, [c for _, c in candidates], base_hash=current.weights_hash,
-                                 max_norm_ratio=policy.max_norm_ratio)
-        by_blob = {d.blob: d for d, _ in candidates}
-        rejected += [_reject(by_blob[r.candidate.key], r.reason) for r in screened.rejected]
-        accepted = [by_blob[a.candidate.key] for a in screened.accepted]
+        ctx = RoundContext(spec=self.spec, parent=current, base_dir=self.store.path(current.version), blobs=self.blobs,
+                           history=self.history(current), online=online, dht=self.dht,
+                           eval_seed=secrets.randbits(63), progress=self.progress)
+        candidates = [Candidate(d) for d in sorted(deltas, key=lambda d: d.blob)]
+        accepted = self.strategy.screen(ctx, candidates)
+        now = {r.blob for _, r in ctx.rejected}
+        rejected = [r for r in earlier if r.blob not in now] + [r for _, r in ctx.rejected]
+        keep = {c.manifest.blob for c in accepted}
+        for c, _ in ctx.rejected:  # a rejected blob is never merged: do not keep it (nor let it fill the disk)
+            if c.manifest.blob not in keep:
+                self.blobs.remove(c.manifest.blob)
         if not accepted:
-            raise SkillswarmError(f"every delta of round v{current.version} was rejected: "
-                                  + "; ".join(r.reason for r in rejected)[:500])
-        groups: dict[str, list[tuple[Path, float]]] = {}
-        for d in accepted:
-            groups.setdefault(d.skill, []).append((self.blobs.path(d.blob), 1.0))
-        seed = current.version
+            raise RoundRejected(current.version, rejected)
         staging = self.store.staging()
         try:
             out = staging / "ckpt"
             failpoints.hit("coordinator.before_merge")
-            result = merge_checkpoint(base_dir, groups, policy, out, seed=seed, delta_out=staging / "merged.safetensors",
-                                      delta_codec=dense_codec_for(base_dir), base_hash=current.weights_hash,
-                                      progress=self.progress, **self.merge_options.kwargs())
+            result = self.strategy.merge(ctx, self.strategy.groups(accepted), out, staging / "merged.safetensors",
+                                         **self.merge_options.kwargs())
             failpoints.hit("coordinator.after_merge")
             self.state = "evaluating"
-            metrics = evaluate_all(out, list(self.spec.skills), self.eval_n)
+            metrics = self.strategy.evaluate(out, list(self.spec.skills), self.eval_n)
             delta_sha = self.blobs.add_file(staging / "merged.safetensors", move=True)
-            manifest = self.identity.sign_record(CheckpointManifest(
+            manifest = fit_manifest(CheckpointManifest(
                 network=self.spec.network, version=current.version + 1, parent_version=current.version,
                 parent_hash=current.weights_hash, weights_hash=result.weights_hash, files=result.files,
                 merged_delta=FileEntry(path="merged_delta.safetensors", sha256=delta_sha, size=self.blobs.size(delta_sha)),
-                method=policy.method, aggregator=policy.aggregator, params=merge_params(policy, seed),
-                included=[DeltaRef(blob=d.blob, author=d.author, skill=d.skill, weight=1.0) for d in accepted],
-                rejected=rejected[:256], metrics=metrics,
-            ))
+                method=self.spec.merge.method, aggregator=self.spec.merge.aggregator,
+                params=merge_params(self.spec.merge, current.version),
+                included=[DeltaRef(blob=c.manifest.blob, author=c.author, skill=c.skill, weight=c.weight,
+                                   norm=c.norm or 0.0, figures=clean_figures(c.figures)) for c in accepted],
+                rejected=rejected[:128], omitted=ctx.omitted + max(0, len(rejected) - 128), eval_seed=ctx.eval_seed,
+                metrics=metrics,
+            ), self.identity)
             self.store.commit(manifest, out, verify=False)  # the merge computed the hashes it wrote
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         failpoints.hit("coordinator.after_commit")
         self.publish(manifest)
+        self._drop_old_deltas(manifest.version)
         self.state = "idle"
-        report = RoundReport(manifest, time.monotonic() - t0, len(candidates), rejected)
+        report = RoundReport(manifest, time.monotonic() - t0, len(accepted) + len(rejected), rejected, dict(ctx.seconds))
         self.on_event("merged", {"version": manifest.version, "included": len(accepted), "rejected": len(rejected),
                                  "metrics": {k: v.accuracy for k, v in metrics.items()}, "seconds": report.seconds})
         return report
@@ -237,34 +263,65 @@ class Coordinator:
         stop = stop or threading.Event()
         current = self.recover()
         reports: list[RoundReport] = []
-        round_start, seen = time.monotonic(), -1
+        round_start, seen, tried, backoff = time.monotonic(), -1, set(), self.poll
+        earlier: list[Rejection] = []
         while not stop.is_set() and (max_rounds is None or len(reports) < max_rounds):
-            self.state = "idle"
+            if self.state != "waiting":
+                self.state = "idle"
             newest = find_checkpoint(self.dht, self.spec)
             if newest is not None and newest.version > current.version:  # another coordinator moved on
                 pull(self.dht, self.spec, newest, self.store, self.blobs, progress=self.progress)
-                current, round_start = newest, time.monotonic()
-            deltas = self.collect(current)
-            if len(deltas) != seen:
-                seen = len(deltas)
+                current, round_start, tried, backoff, earlier = newest, time.monotonic(), set(), self.poll, []
+            online = self.online_workers()
+            fresh = [d for d in self.collect(current) if d.blob not in tried and d.author in online]
+            if len(fresh) != seen:
+                seen = len(fresh)
                 log.info("round v%d: %d delta(s) so far", current.version, seen)
                 self.on_event("round", {"version": current.version, "deltas": seen})
-            if self.ready(deltas, time.monotonic() - round_start):
-                try:
-                    report = self.merge_round(current, deltas)
-                except SkillswarmError as e:
-                    log.error("round v%d failed: %s", current.version, e)
-                    stop.wait(self.poll)
-                    continue
-                reports.append(report)
-                current, round_start, seen = report.manifest, time.monotonic(), -1
+            waited = time.monotonic() - round_start
+            if not self.ready(fresh, waited):
+                if waited >= self.spec.round.max_wait_s and not fresh:
+                    self._wait(f"round v{current.version}: no new deltas from online workers after {waited:.0f} s; "
+                               "still waiting")
+                stop.wait(self.poll)
                 continue
-            stop.wait(self.poll)
+            try:
+                report = self.merge_round(current, fresh, online, earlier)
+            except RoundRejected as e:
+                tried |= {d.blob for d in fresh}
+                earlier = e.rejected
+                backoff = min(2 * backoff, self.spec.round.max_backoff_s)
+                self._wait(f"round v{current.version}: all {len(fresh)} new delta(s) rejected; waiting for new ones "
+                           f"(next look in {backoff:.0f} s). {e.rejected[0].reason if e.rejected else ''}")
+                log.warning("%s", e)
+                stop.wait(backoff)
+                continue
+            except SkillswarmError as e:
+                backoff = min(2 * backoff, self.spec.round.max_backoff_s)
+                self._wait(f"round v{current.version} failed: {e}; retrying in {backoff:.0f} s")
+                log.error("round v%d failed: %s", current.version, e)
+                stop.wait(backoff)
+                continue
+            reports.append(report)
+            current, round_start, seen, tried, backoff = report.manifest, time.monotonic(), -1, set(), self.poll
+            earlier = []
+            self.note = ""
         return reports
 
+    def _drop_old_deltas(self, version: int) -> None:
+        """Delete (and stop serving) the deltas merged into version - KEEP_DELTA_ROUNDS: the blob store holds a
+        bounded window of rounds, whatever the network's age."""
+        old = version - KEEP_DELTA_ROUNDS
+        if old >= 1 and self.store.has(old):
+            for ref in self.store.manifest(old).included:
+                self.dht.unprovide(ref.blob)
+                self.blobs.remove(ref.blob)
 
-def _reject(d: DeltaManifest, reason: str) -> Rejection:
-    return Rejection(blob=d.blob, author=d.author, skill=d.skill, reason=reason[:256])
+    def _wait(self, note: str) -> None:
+        if note != self.note:
+            log.info("%s", note)
+            self.on_event("waiting", {"note": note})
+        self.state, self.note = "waiting", note[:256]
 
 
 def merge_inputs(spec: NetworkSpec, dht, store: CheckpointStore, blobs: BlobStore, manifest: CheckpointManifest,

@@ -29,7 +29,7 @@ from skillswarm.protocol.hashing import weights_hash
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.netspec import save_spec
 from skillswarm.protocol.records import (CheckpointManifest, DeltaManifest, MergeMethod, MergePolicy, NetworkSpec,
-                                         RoundPolicy)
+                                         RoundPolicy, ScreenPolicy)
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ class DemoConfig:
     batch: int = 8
     lr: float | None = None
     timeout_s: float = 1800.0
+    screen: ScreenPolicy = field(default_factory=ScreenPolicy)  # what the coordinator checks before merging a delta
 
 
 @dataclass
@@ -144,6 +145,7 @@ def make_spec(cfg: DemoConfig, base: Path, coordinator: Identity) -> NetworkSpec
         skills=list(cfg.skills), coordinators=[coordinator.public_key_hex], codec="dense_fp32",
         round=RoundPolicy(steps_per_round=cfg.steps_per_round, min_deltas=len(cfg.skills), max_wait_s=cfg.timeout_s),
         merge=MergePolicy(method=cfg.method, density=cfg.density, scale=cfg.scale),  # type: ignore[arg-type]
+        screen=cfg.screen,
     ))
 
 

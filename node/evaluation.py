@@ -51,13 +51,14 @@ def summarize(skill: str, rollouts: list[Rollout], seconds: float = 0.0) -> Eval
 
 def evaluate(model: Path | str | Engine, skill: str | Skill, n: int = DEFAULT_N, seed: int = 0, *,
              temperature: float = 0.0, max_new_tokens: int = 64, max_tokens: int = 512,
-             on_done: Callable[[Rollout], None] | None = None) -> EvalResult:
-    """Evaluate a model (directory or engine) on the first `n` held-out tasks of `skill`."""
+             on_done: Callable[[Rollout], None] | None = None, task_seed: int | None = None) -> EvalResult:
+    """Evaluate a model (directory or engine) on the first `n` held-out tasks of `skill` (or on `n` held-out
+    tasks drawn with `task_seed`)."""
     if n < 1:
         raise ValueError("n must be >= 1")
     engine = model if not isinstance(model, (str, Path)) else HFEngine.load(model)
     sk = get_skill(skill) if isinstance(skill, str) else skill
-    tasks = sk.tasks.eval_tasks(n)
+    tasks = sk.tasks.eval_tasks(n, task_seed)
     start = time.monotonic()
     rollouts = run_episodes(engine, sk, tasks, seed, temperature=temperature, max_new_tokens=max_new_tokens,
                             max_tokens=max_tokens, sample_seed=seed if temperature > 0 else None, on_done=on_done)

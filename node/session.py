@@ -42,17 +42,20 @@ def join_addresses(spec: NetworkSpec, peers: Sequence[str] | None) -> list[str]:
 def open_session(network_file: Path, *, key: Path | None = None, peers: Sequence[str] | None = None,
                  host: str = "0.0.0.0", port: int = 0, announce: Sequence[str] = (), auto_relay: bool = False,
                  client_mode: bool = False, ephemeral_key: bool = False,
-                 cache: Path | None = None) -> Iterator[NodeSession]:
+                 cache: Path | None = None, max_blob_bytes: int | None = None) -> Iterator[NodeSession]:
     """Load the spec and key, start the DHT peer, serve the blob store; shut everything down on exit.
-    `cache` keeps blobs and checkpoints somewhere other than the user's cache dir."""
+    `cache` keeps blobs and checkpoints somewhere other than the user's cache dir; `max_blob_bytes` caps the
+    blob store (downloads that would pass it are refused)."""
     from skillswarm.protocol.dht import SwarmDHT
+    from skillswarm.protocol.validation import StorePolicy
 
     spec = load_spec(network_file)
     identity = Identity.generate() if ephemeral_key else Identity.load_or_create(key)
     dht = SwarmDHT(spec.network, identity, host=host, port=port, initial_peers=join_addresses(spec, peers),
-                   announce_maddrs=announce, use_auto_relay=auto_relay, client_mode=client_mode)
+                   announce_maddrs=announce, use_auto_relay=auto_relay, client_mode=client_mode,
+                   policy=StorePolicy.from_spec(spec))
     with dht:
-        blobs = BlobStore(cache / "blobs" if cache else None)
+        blobs = BlobStore(cache / "blobs" if cache else None, max_bytes=max_blob_bytes)
         if not client_mode:
             dht.serve_blobs(blobs)
         store = CheckpointStore(spec.network, cache / "networks" / spec.network if cache else None)

@@ -147,6 +147,7 @@ class Worker:
         stop = stop or threading.Event()
         self.store.clean_staging()
         published, newer_than = 0, -1
+        last: DeltaManifest | None = None
         while not stop.is_set():
             self.state = "idle"
             current = wait_for_checkpoint(self.dht, self.spec, newer_than=newer_than, timeout=wait_timeout, stop=stop)
@@ -157,13 +158,17 @@ class Worker:
             share(self.dht, self.store, self.blobs, current)
             self.version = current.version
             self.on_event("pulled", {"version": current.version})
+            if last is not None and last.base_version < current.version:
+                self.dht.forget(last)  # its round is over: stop re-storing it (it expires on its own)
+                last = None
             if max_rounds is not None and published >= max_rounds:
                 break
             done = self._published(current.version)
             if done is not None:
                 log.info("already published a delta for v%d; announcing it again", current.version)
                 self.publish(done)
-            elif self.train_round(current, stop) is None:
+                last = done
+            elif (last := self.train_round(current, stop)) is None:
                 break
             published += 1
             newer_than = current.version

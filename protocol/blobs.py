@@ -1,26 +1,42 @@
 """The content store: files named by their sha256 in one directory (the cache dir by default).
 
 A blob appears under its final name only complete and verified (hashed while copied to a temp file,
-then renamed). Downloads in progress live in `.partial/` under the store, so an interrupted fetch
-resumes from the bytes it already has.
+then renamed). Downloads in progress live in `.partial/` under the store (`PartialDownload`: locked,
+hashed as it grows), so an interrupted fetch resumes from the bytes it already has. A store may be
+capped (`max_bytes`): a blob is refused before its first byte is written unless it fits under the cap
+and leaves the filesystem a margin free; `prune` and `remove` make room.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import re
 import shutil
+import threading
+import time
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterable, Iterator
 
-from skillswarm.protocol.atomic import atomic_open
+from skillswarm.protocol.atomic import WriteBehind, atomic_open
 from skillswarm.protocol.errors import BlobError
 from skillswarm.protocol.hashing import CHUNK, sha256_file
 from skillswarm.protocol.paths import cache_dir
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+SYNC_EVERY = 16 << 20  # bytes a download appends between write-back steps
+
+# After any write the filesystem keeps this much free, or this fraction of it if that is smaller.
+FS_MARGIN_BYTES = 1 << 30
+FS_MARGIN_FRACTION = 0.05
+
+# Room promised to downloads in progress in this process: (store root, sha) -> blob size. Concurrent
+# downloads each check against the others' promises, so together they cannot overrun a cap.
+_reserved: dict[tuple[str, str], int] = {}
+_reserved_lock = threading.Lock()
 
 
 def check_sha256(sha: str) -> str:
@@ -36,14 +52,19 @@ def default_blob_root() -> Path:
 
 
 class BlobStore:
-    """Blobs on disk under `root`, each named by the sha256 of its bytes."""
+    """Blobs on disk under `root`, each named by the sha256 of its bytes; at most `max_bytes` of them
+    (complete blobs plus partial downloads) when a cap is given."""
 
-    def __init__(self, root: Path | str | None = None) -> None:
+    def __init__(self, root: Path | str | None = None, max_bytes: int | None = None) -> None:
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
+            raise BlobError(f"max_bytes={max_bytes!r}: give the store's cap in bytes (a whole number), or None for none")
         self.root = Path(root).expanduser() if root is not None else default_blob_root()
         self.root.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
 
     def __repr__(self) -> str:
-        return f"BlobStore({str(self.root)!r})"
+        cap = f", max_bytes={self.max_bytes}" if self.max_bytes is not None else ""
+        return f"BlobStore({str(self.root)!r}{cap})"
 
     def path(self, sha: str) -> Path:
         """Where blob `sha` lives (whether or not it is here yet)."""
@@ -67,10 +88,12 @@ class BlobStore:
         src = Path(path)
         if not src.is_file():
             raise BlobError(f"{src} is not a file")
+        size = src.stat().st_size
         same_fs = os.stat(src).st_dev == os.stat(self.root).st_dev
         if link and same_fs:
             sha = sha256_file(src)
             if not self.has(sha):
+                self.check_room(size, sha, new_disk_bytes=False)
                 try:
                     os.link(src, self.path(sha))
                 except FileExistsError:
@@ -81,10 +104,12 @@ class BlobStore:
             if self.has(sha):
                 src.unlink()
             else:
+                self.check_room(size, sha, new_disk_bytes=False)
                 os.chmod(src, 0o644)
                 os.replace(src, self.path(sha))
             return sha
         # The name is known only after hashing: copy to a unique staging name atomically, then rename.
+        self.check_room(size)
         staging = self.root / ".partial" / f"add-{uuid.uuid4().hex}"
         h = hashlib.sha256()
         try:
@@ -107,6 +132,7 @@ class BlobStore:
         """Store bytes and return their sha256."""
         sha = hashlib.sha256(data).hexdigest()
         if not self.has(sha):
+            self.check_room(len(data), sha)
             with atomic_open(self.path(sha), "wb") as f:
                 f.write(data)
         return sha
@@ -122,8 +148,108 @@ class BlobStore:
         return False
 
     def remove(self, sha: str) -> None:
-        """Delete a blob (no error if absent)."""
+        """Delete a blob and any partial download of it (no error if absent); a partial download that a
+        fetch is writing right now stays."""
         self.path(sha).unlink(missing_ok=True)
+        part = self.partial_path(sha)
+        try:
+            f = open(part, "rb")
+        except FileNotFoundError:
+            return
+        with f:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # the lock a fetch holds while it writes
+            except BlockingIOError:
+                return
+            part.unlink(missing_ok=True)
+
+    def prune(self, keep: Iterable[str]) -> int:
+        """Delete every complete blob whose sha256 is not in `keep` and return the bytes freed (partial
+        downloads stay: `remove` deletes those)."""
+        if isinstance(keep, str):
+            raise BlobError("prune takes a collection of sha256 digests to keep, not one string (pass [sha])")
+        kept = set(keep)
+        freed = 0
+        for sha in self:
+            if sha in kept:
+                continue
+            path = self.path(sha)
+            try:
+                size = path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:  # removed meanwhile
+                continue
+            freed += size
+        return freed
+
+    def usage(self) -> int:
+        """Bytes this store takes: complete blobs plus partial downloads and files being added."""
+        total = 0
+        for folder in (self.root, self.root / ".partial"):
+            try:
+                entries = os.scandir(folder)
+            except FileNotFoundError:
+                continue
+            with entries:
+                for entry in entries:
+                    with contextlib.suppress(OSError):  # renamed or removed meanwhile
+                        if entry.is_file(follow_symlinks=False):
+                            total += entry.stat(follow_symlinks=False).st_size
+        return total
+
+    def check_room(self, size: int, sha: str | None = None, *, new_disk_bytes: bool = True) -> None:
+        """Raise `BlobError` unless `size` more bytes (of blob `sha`, whose partial download already counts)
+        fit under the cap and leave the filesystem its margin (`new_disk_bytes=False`: a rename or hard
+        link, which takes no new disk space)."""
+        with _reserved_lock:
+            self._check_room(size, sha, new_disk_bytes)
+
+    @contextlib.contextmanager
+    def reserve(self, sha: str, size: int) -> Iterator[None]:
+        """Check that blob `sha` of `size` bytes fits (`check_room`) and hold that room for it until the
+        block ends, so concurrent downloads in this process cannot together overrun the cap."""
+        key = (str(self.root), check_sha256(sha))
+        with _reserved_lock:
+            self._check_room(size, sha, True)
+            _reserved[key] = size
+        try:
+            yield
+        finally:
+            with _reserved_lock:
+                _reserved.pop(key, None)
+
+    def _check_room(self, size: int, sha: str | None, new_disk_bytes: bool) -> None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise BlobError(f"a blob size must be a whole number of bytes, not {size!r}")
+        what = f"blob {sha[:12]} ({size:,} bytes)" if sha else f"a blob of {size:,} bytes"
+        need = max(0, size - self._partial_bytes(sha)) + self._promised(besides=sha)
+        if self.max_bytes is not None:
+            usage = self.usage()
+            if usage + need > self.max_bytes:
+                raise BlobError(
+                    f"{what} does not fit in the blob store {self.root}: it holds {usage:,} bytes (complete blobs "
+                    f"and partial downloads) of its {self.max_bytes:,}-byte cap; raise the cap "
+                    "(BlobStore(root, max_bytes=...)) or make room (BlobStore.prune(keep) or BlobStore.remove(sha))")
+        if new_disk_bytes:
+            disk = shutil.disk_usage(self.root)
+            margin = min(FS_MARGIN_BYTES, int(disk.total * FS_MARGIN_FRACTION))
+            if disk.free - need < margin:
+                raise BlobError(
+                    f"{what} does not fit on the disk of the blob store {self.root}: {disk.free:,} bytes are free and "
+                    f"{margin:,} must stay free after the write; free disk space, prune the store, or put it on "
+                    "another disk (BlobStore(root=...))")
+
+    def _partial_bytes(self, sha: str | None) -> int:
+        try:
+            return self.partial_path(sha).stat().st_size if sha else 0
+        except FileNotFoundError:
+            return 0
+
+    def _promised(self, besides: str | None) -> int:
+        """Bytes promised to other downloads into this store still to arrive (the caller holds the lock)."""
+        root = str(self.root)
+        return sum(max(0, size - self._partial_bytes(sha)) for (r, sha), size in _reserved.items()
+                   if r == root and sha != besides)
 
     def export(self, sha: str, dest: Path | str) -> Path:
         """Copy a blob out of the store to `dest` (atomically)."""
@@ -138,3 +264,64 @@ class BlobStore:
     def partial_path(self, sha: str) -> Path:
         """Where an in-progress download of `sha` accumulates (resumed from its size)."""
         return self.root / ".partial" / f"{check_sha256(sha)}.part"
+
+
+class PartialDownload:
+    """The download in progress: appended and hashed as bytes arrive, resumable, and locked (flock)
+    against a second fetcher of the same blob in any process."""
+
+    def __init__(self, path: Path, file: Any) -> None:
+        self.path, self.file = path, file
+        self.hasher, self.offset = hashlib.sha256(), 0
+        self._writeback = WriteBehind(file.fileno(), SYNC_EVERY)
+
+    @classmethod
+    def open(cls, path: Path, final: Path, wait_s: float) -> PartialDownload | None:
+        """Lock and open the partial file, hashing what it already holds; None if the blob appeared meanwhile."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + wait_s
+        while not final.is_file():
+            f = open(path, "a+b", buffering=0)
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.close()
+                if time.monotonic() > deadline:
+                    raise BlobError(f"another fetch of blob {final.name[:12]} holds {path}; try again later") from None
+                time.sleep(0.2)
+                continue
+            if final.is_file():  # finished by the fetcher that held the lock
+                f.close()
+                return None
+            part = cls(path, f)
+            f.seek(0)
+            while block := f.read(CHUNK):
+                part.hasher.update(block)
+                part.offset += len(block)
+            part._writeback.reset(part.offset)
+            return part
+        return None
+
+    def append(self, data: memoryview) -> None:
+        self.hasher.update(data)
+        while data:
+            data = data[self.file.write(data):]
+        self.offset = self.file.tell()
+        self._writeback.advance(self.offset)  # write back as we go: the final fsync has little left
+
+    def reset(self) -> None:
+        """Throw every byte away (they failed verification)."""
+        self.file.truncate(0)
+        self.hasher, self.offset = hashlib.sha256(), 0
+        self._writeback.reset()
+
+    def publish(self, final: Path) -> None:
+        """Make the verified file durable and give it its final name."""
+        os.fsync(self.file.fileno())
+        os.chmod(self.path, 0o644)
+        os.replace(self.path, final)
+
+    def close(self, *, remove: bool = False) -> None:
+        self.file.close()
+        if remove:
+            self.path.unlink(missing_ok=True)

@@ -2,8 +2,9 @@
 
 The peer runs in a background process (`dht_process.NodeProcess`) with its own p2pd, so the caller's
 main thread (training) is never blocked by the network, and blob uploads and downloads run there too.
-Every value goes through the owner-signature validator (`validation`) on every peer, and every record
-returned here is decoded, schema-checked and signature-verified again: callers only see good records.
+Every value goes through the owner-signature validator (`validation`, with the network's `StorePolicy`
+when the peer has one) and the storage caps (`storage_caps`) on every peer, and every record returned
+here is decoded, schema-checked and signature-verified again: callers only see good records.
 
     with SwarmDHT("demo", identity, initial_peers=spec.bootstrap) as dht:
         dht.start_heartbeat(lambda: dht.make_peer_record(role="worker", skills=["arith"]))
@@ -21,7 +22,7 @@ import threading
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar
 
 from skillswarm.protocol.blobs import BlobStore, check_sha256
 from skillswarm.protocol.codec import decode_record, encode_record
@@ -35,6 +36,9 @@ from skillswarm.protocol.records import (
 )
 from skillswarm.protocol.republisher import Republisher
 from skillswarm.protocol.version import __version__
+
+if TYPE_CHECKING:
+    from skillswarm.protocol.validation import StorePolicy
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=Record)
@@ -74,7 +78,8 @@ class SwarmDHT:
     and forwarded port others should dial), `use_auto_relay=True` (become reachable through a relay);
     `use_relay` lets this node reach and relay for NATed peers. `client_mode`: query and publish without
     storing others' records (short-lived inspectors). `network=None`: a bootstrap peer that validates and
-    stores every network's records but publishes and reads none.
+    stores every network's records but publishes and reads none. `policy` (`StorePolicy.from_spec(spec)`):
+    store and accept only what the network admits; without one, untrusted checkpoints live an hour at most.
 
     Every method may be called from any thread. `start()` forks the DHT process: call it before loading a
     model or starting training threads, so the fork copies little and inherits no busy thread pool.
@@ -84,8 +89,12 @@ class SwarmDHT:
         self, network: str | None, identity: Identity, *, host: str = "127.0.0.1", port: int = 0,
         initial_peers: Sequence[str] = (), announce_maddrs: Sequence[str] = (), use_auto_relay: bool = False,
         use_relay: bool = True, client_mode: bool = False, start_timeout: float = 60.0, wait_timeout: float = 3.0,
+        policy: StorePolicy | None = None,
     ) -> None:
+        if policy is not None and network is not None and policy.network != network:
+            raise ValueError(f"a store policy for network `{policy.network}` given to a peer of `{network}`")
         self.network = network
+        self.policy = policy
         self.identity = identity
         self.client_mode = client_mode
         self._options = dict(
@@ -106,12 +115,13 @@ class SwarmDHT:
         """Start the DHT process and p2pd and join the network; raises `NetworkError` saying why it could not."""
         if self._node is not None:
             return self
-        from skillswarm.protocol.dht_process import NodeProcess, p2p_identity_file
+        from skillswarm.protocol.dht_process import NodeProcess, install_store_caps, p2p_identity_file
         from skillswarm.protocol.validation import OwnerSignatureValidator
 
         with p2p_identity_file(self.identity) as key_file:
             node = NodeProcess(
-                initial_peers=self.initial_peers or None, start=False, record_validators=[OwnerSignatureValidator(self.identity)],
+                initial_peers=self.initial_peers or None, start=False,
+                record_validators=[OwnerSignatureValidator(self.identity, self.policy)],
                 identity_path=str(key_file), check_if_identity_free=False, startup_timeout=self._start_timeout,
                 **self._options,
             )
@@ -121,6 +131,11 @@ class SwarmDHT:
                 node.shutdown()
                 raise NetworkError(self._explain_start_failure(e)) from None
         self._node = node
+        try:
+            self.run_coroutine(install_store_caps)  # what arrived while joining is re-admitted under the caps
+        except NetworkError:
+            self.shutdown()
+            raise
         if self.peer_id != self.identity.peer_id:
             self.shutdown()
             raise NetworkError(f"p2pd runs as {self.peer_id}, not as this node's key {self.identity.peer_id}")
@@ -221,6 +236,13 @@ class SwarmDHT:
         from skillswarm.protocol.dht_process import connected_peers
 
         return self.run_coroutine(connected_peers)
+
+    def storage_usage(self) -> dict[str, Any]:
+        """What this peer stores for others, as the storage caps count it: for its `storage` and `cache`,
+        values and bytes in all, per author (bytes, values per kind) and per key id (hex)."""
+        from skillswarm.protocol.dht_process import storage_usage
+
+        return self.run_coroutine(storage_usage)
 
     # ---- records ------------------------------------------------------------------------------------
     def put(self, record: Record, ttl: float, *, keep: bool = False) -> bool:
@@ -384,33 +406,35 @@ class SwarmDHT:
 
     def fetch(self, sha: str, *, size: int | None = None, max_size: int, store: BlobStore | None = None,
               providers: Sequence[str | ProviderRecord] | None = None, progress: bool = True,
-              stall_timeout: float = 30.0) -> Path:
+              stall_timeout: float = 30.0, min_rate: float | None = None, deadline_s: float | None = None,
+              grace_s: float | None = None) -> Path:
         """Download blob `sha` into `store` and return its path there; see `fetch_report`."""
         return Path(self.fetch_report(sha, size=size, max_size=max_size, store=store, providers=providers,
-                                      progress=progress, stall_timeout=stall_timeout).path)
+                                      progress=progress, stall_timeout=stall_timeout, min_rate=min_rate,
+                                      deadline_s=deadline_s, grace_s=grace_s).path)
 
     def fetch_report(self, sha: str, *, size: int | None = None, max_size: int, store: BlobStore | None = None,
                      providers: Sequence[str | ProviderRecord] | None = None, progress: bool = True,
-                     stall_timeout: float = 30.0) -> Any:
+                     stall_timeout: float = 30.0, min_rate: float | None = None, deadline_s: float | None = None,
+                     grace_s: float | None = None) -> Any:
         """Download blob `sha` (providers: peer ids or ProviderRecords; default: looked up in the DHT),
         verifying its sha256 before it gets its final name, resuming after broken streams, moving on from
-        providers that fail or lie, refusing more than `max_size` bytes. Returns a `FetchReport`."""
-        from skillswarm.protocol.transfer import Source, fetch_blob
-        from skillswarm.protocol.progress import PartialProgress
+        providers that fail, lie or trickle, refusing more than `max_size` bytes or more than `store` has room
+        for. It ends by `deadline_s` (default: `grace_s` + size / `min_rate`, from `transfer.GRACE_S` and
+        `transfer.MIN_RATE`; `max_size` stands for an unknown size). Returns a `FetchReport`."""
+        from skillswarm.protocol.downloads import fetch_one
 
-        store = store or BlobStore()
-        check_sha256(sha)
-        if store.has(sha):
-            from skillswarm.protocol.transfer import FetchReport
+        return fetch_one(self, sha, size=size, max_size=max_size, store=store or BlobStore(), providers=providers,
+                         progress=progress, stall_timeout=stall_timeout, min_rate=min_rate, deadline_s=deadline_s,
+                         grace_s=grace_s)
 
-            return FetchReport(path=str(store.path(sha)), sha=sha, size=store.size(sha), already_present=True)
-        if providers is None:
-            providers = self.get_providers(sha)
-        sources = [Source(p) if isinstance(p, str) else Source(p.peer_id, tuple(p.addrs), p.size) for p in providers]
-        if size is None:
-            sizes = {s.size for s in sources if s.size is not None}
-            size = sizes.pop() if len(sizes) == 1 else None
-        future = self._submit(fetch_blob, dict(sha=sha, sources=sources, root=str(store.root), size=size,
-                                                max_size=max_size, stall_s=stall_timeout))
-        with PartialProgress(store.partial_path(sha), size, f"blob {sha[:12]}", enabled=progress) as bar:
-            return self._wait(future, None, tick=bar.update)
+    def fetch_many(self, items: Iterable[tuple[str, int | None, int]], *, budget_s: float,
+                   store: BlobStore | None = None, max_parallel: int = 4, progress: bool = False,
+                   min_rate: float | None = None, grace_s: float | None = None,
+                   stall_timeout: float = 30.0) -> dict[str, Path | BlobError]:
+        """Fetch (sha, size or None, max_size) items at most `max_parallel` at once, each under its own deadline
+        and all within `budget_s` (what is not done by then is stopped); sha -> its Path or its BlobError."""
+        from skillswarm.protocol.downloads import fetch_many
+
+        return fetch_many(self, items, budget_s=budget_s, store=store or BlobStore(), max_parallel=max_parallel,
+                          progress=progress, min_rate=min_rate, grace_s=grace_s, stall_timeout=stall_timeout)

@@ -8,7 +8,8 @@ so Ctrl-C reaches only the owner, which shuts it down in order. A parent-death s
 *thread* that forked exits, not the process, so polling is the robust choice (cost: one syscall per 0.2 s).
 
 Everything in the second half runs inside the child, called through `hivemind.DHT.run_coroutine`;
-results travel back as plain values (bytes, lists, dicts).
+results travel back as plain values (bytes, lists, dicts). The first call after start is
+`install_store_caps`, which puts the storage caps (`storage_caps`) in place.
 """
 
 from __future__ import annotations
@@ -107,6 +108,25 @@ async def guarded(dht: hivemind.DHT, node: hivemind.DHTNode, fn: Coroutine, kwar
         return False, NetworkError(f"{type(e).__name__}: {e}")
 
 
+async def install_store_caps(_dht: hivemind.DHT, node: hivemind.DHTNode) -> None:
+    """Cap what this peer stores per author, per key and in all (see `storage_caps`)."""
+    from skillswarm.protocol.storage_caps import install
+
+    install(node)
+
+
+async def storage_usage(_dht: hivemind.DHT, node: hivemind.DHTNode) -> dict[str, Any]:
+    """What this peer's storage and cache hold, as the caps count it (`Ledger.usage`)."""
+    from skillswarm.protocol.storage_caps import CappedStorage
+
+    out: dict[str, Any] = {}
+    for name in ("storage", "cache"):
+        storage = getattr(node.protocol, name)
+        if isinstance(storage, CappedStorage):
+            out[name] = storage.ledger.usage()
+    return out
+
+
 async def store_values(
     _dht: hivemind.DHT, node: hivemind.DHTNode, items: list[tuple[str, str, bytes, float]]
 ) -> list[bool]:
@@ -119,7 +139,10 @@ async def store_values(
 async def get_values(
     _dht: hivemind.DHT, node: hivemind.DHTNode, keys: list[str], latest: bool = True
 ) -> dict[str, dict[str, tuple[bytes, float]]]:
-    """For each key, every validated subkey -> (value, expiration) found across the DHT (latest: ask all replicas)."""
+    """For each key, every validated subkey -> (value, expiration) found across the DHT (latest: ask all replicas),
+    at most each author's per-kind cap of them (the newest)."""
+    from skillswarm.protocol.storage_caps import newest_within_caps
+
     found = await node.get_many(keys, sufficient_expiration_time=float("inf") if latest else None)
     out: dict[str, dict[str, tuple[bytes, float]]] = {}
     for key in keys:
@@ -129,7 +152,7 @@ async def get_values(
             for subkey, sub in item.value.items():
                 if isinstance(subkey, str) and isinstance(sub.value, bytes):
                     entries[subkey] = (sub.value, float(sub.expiration_time))
-        out[key] = entries
+        out[key] = newest_within_caps(entries)
     return out
 
 

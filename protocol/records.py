@@ -36,7 +36,8 @@ Engine = Literal["hf", "vllm", "none"]
 Codec = Literal["dense_fp32", "dense_bf16", "dense_fp16", "topk", "int8", "lora"]
 MergeMethod = Literal["linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs"]
 Aggregator = Literal["mean", "trimmed_mean", "median", "clipped_mean"]
-NodeState = Literal["starting", "pulling", "training", "publishing", "merging", "evaluating", "idle"]
+NodeState = Literal["starting", "pulling", "training", "publishing", "merging", "evaluating", "idle", "waiting"]
+Admission = Literal["open", "allowlist"]
 Device = Literal["cpu", "cuda", "mps", "other"]
 
 ROLES: tuple[str, ...] = Role.__args__  # type: ignore[attr-defined]
@@ -45,7 +46,11 @@ CODECS: tuple[str, ...] = Codec.__args__  # type: ignore[attr-defined]
 MERGE_METHODS: tuple[str, ...] = MergeMethod.__args__  # type: ignore[attr-defined]
 AGGREGATORS: tuple[str, ...] = Aggregator.__args__  # type: ignore[attr-defined]
 
+ADMISSIONS: tuple[str, ...] = Admission.__args__  # type: ignore[attr-defined]
+
 SIGNATURE_BYTES = 64
+KeyHex = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$", description="Ed25519 public key, hex")]
+Figures = Annotated[dict[Annotated[str, Meta(pattern=r"^[a-z][a-z0-9_]{0,31}$")], Real], Meta(max_length=8)]
 
 
 def _unique(field: str, items: list) -> None:
@@ -111,21 +116,25 @@ class FileEntry(_Part, kw_only=True):
 
 
 class DeltaRef(_Part, kw_only=True):
-    """A delta a merge used, and the weight it got."""
+    """A delta a merge used, the weight it got, and the screening figures that let it in (norm, gain, ...)."""
 
     blob: Sha256
     author: PublicKeyHex
     skill: Name
     weight: Real = 1.0
+    norm: Annotated[float, Meta(ge=0.0, le=1e12)] = 0.0
+    figures: Figures = {}
 
 
 class Rejection(_Part, kw_only=True):
-    """A delta a coordinator screened out, and why (shown by `net deltas`)."""
+    """A delta a coordinator screened out, why (shown by `net deltas`), and the figures it was judged on."""
 
     blob: Sha256
     author: PublicKeyHex
     skill: Name
     reason: ShortText
+    step: Annotated[str, Meta(pattern=r"^[a-z_]{0,32}$")] = ""  # the round step that rejected it
+    figures: Figures = {}
 
 
 class SkillMetrics(_Part, kw_only=True):
@@ -137,11 +146,13 @@ class SkillMetrics(_Part, kw_only=True):
 
 
 class RoundPolicy(_Part, kw_only=True):
-    """When a round ends: enough deltas, or the wait ran out."""
+    """When a round ends (enough deltas, or the wait ran out), and how long its downloads may take."""
 
     steps_per_round: Annotated[int, Meta(ge=1, le=1_000_000)] = 20
     min_deltas: Annotated[int, Meta(ge=1, le=4096)] = 1
     max_wait_s: Annotated[float, Meta(gt=0.0, le=1e7)] = 900.0
+    fetch_budget_s: Annotated[float, Meta(gt=0.0, le=1e7)] = 900.0  # every delta of a round, fetched concurrently
+    max_backoff_s: Annotated[float, Meta(gt=0.0, le=1e6)] = 300.0  # longest pause after an empty or all-rejected round
 
 
 class MergePolicy(_Part, kw_only=True):
@@ -153,6 +164,35 @@ class MergePolicy(_Part, kw_only=True):
     scale: Annotated[float, Meta(gt=0.0, le=100.0)] = msgspec.field(default=1.0, name="lambda")
     trim_fraction: Annotated[float, Meta(ge=0.0, lt=0.5)] = 0.1
     max_norm_ratio: Annotated[float, Meta(ge=1.0, le=1e6)] = 5.0  # reject norms above ratio * median
+
+
+class TrustPolicy(_Part, kw_only=True):
+    """Who may contribute deltas, and how much one key may: the network's sybil resistance. Every peer's
+    validator refuses delta records from keys the admission excludes; coordinators apply the rest."""
+
+    admission: Admission = "open"  # open: any key; allowlist: only `workers`
+    workers: Annotated[list[KeyHex], Meta(max_length=4096)] = []
+    max_deltas_per_author: Annotated[int, Meta(ge=1, le=64)] = 2  # per round, across skills
+    max_deltas_per_round: Annotated[int, Meta(ge=1, le=128)] = 32  # considered per round, best reputation first
+    min_reputation: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.2  # keys below it are not considered
+    reputation_rounds: Annotated[int, Meta(ge=1, le=1000)] = 20  # checkpoints a key's history is read from
+
+    def __post_init__(self) -> None:
+        _unique("trust.workers", self.workers)
+        if self.admission == "allowlist" and not self.workers:
+            raise ValueError("an allowlist network needs at least one key in `trust.workers`")
+
+
+class ScreenPolicy(_Part, kw_only=True):
+    """What a delta must show before it enters a merge (besides being well-formed and finite)."""
+
+    eval_n: Annotated[int, Meta(ge=0, le=100_000)] = 128  # held-out tasks per skill per candidate; 0: no eval check
+    confidence: Annotated[float, Meta(ge=0.5, lt=1.0)] = 0.9  # one-sided: it improves its own skill
+    max_other_drop: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.15  # the most it may cost another skill (honest
+    # single-round deltas of the nano demo cost calc up to 12 points, measured by bench/poison.py)
+    min_norm_ratio: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.02  # norm bounds against the skill's history
+    min_cosine: Annotated[float, Meta(ge=-1.0, le=1.0)] = 0.0  # against the consensus of the skill's other deltas
+    history_rounds: Annotated[int, Meta(ge=1, le=1000)] = 8  # checkpoints the norm history is read from
 
 
 # ---- records --------------------------------------------------------------------------------------
@@ -169,6 +209,8 @@ class NetworkSpec(Record, tag="network", kw_only=True):
     codec: Codec = "dense_bf16"
     round: RoundPolicy = RoundPolicy()
     merge: MergePolicy = MergePolicy()
+    trust: TrustPolicy = TrustPolicy()
+    screen: ScreenPolicy = ScreenPolicy()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -187,6 +229,7 @@ class PeerRecord(Record, tag="peer", kw_only=True):
     hardware: Hardware = Hardware()
     checkpoint_version: Version | None = None
     state: NodeState = "starting"
+    note: ShortText = ""  # what the node waits for or why it backs off (a coordinator's round status)
     software: Annotated[str, Meta(max_length=64)] = ""
 
     def __post_init__(self) -> None:
@@ -221,8 +264,10 @@ class CheckpointManifest(Record, tag="checkpoint", kw_only=True):
     method: MergeMethod | None = None  # None for the genesis checkpoint
     aggregator: Aggregator | None = None
     params: Params = {}
-    included: Annotated[list[DeltaRef], Meta(max_length=256)] = []
-    rejected: Annotated[list[Rejection], Meta(max_length=256)] = []
+    included: Annotated[list[DeltaRef], Meta(max_length=128)] = []
+    rejected: Annotated[list[Rejection], Meta(max_length=128)] = []
+    omitted: Count = 0  # rejections not listed: over the round's caps, or beyond what fits the manifest's size
+    eval_seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None  # the screening eval's seed, drawn after publication
     metrics: Annotated[dict[Name, SkillMetrics], Meta(max_length=64)] = {}
 
     def __post_init__(self) -> None:

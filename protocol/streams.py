@@ -33,21 +33,33 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    """Read exactly `n` bytes from a blocking socket (its timeout applies to each read)."""
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """Read exactly `n` bytes from a blocking socket: its timeout applies to each read, and all the reads
+    together end by `deadline` (a `time.monotonic()` instant) if one is given (else `TimeoutError`)."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if not k:
-            raise StreamError(f"stream closed after {got} of {n} bytes")
-        got += k
+    per_read = sock.gettimeout()
+    try:
+        while got < n:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{got} of {n} bytes arrived in the time allowed")
+                sock.settimeout(left if per_read is None else min(per_read, left))
+            k = sock.recv_into(view[got:])
+            if not k:
+                raise StreamError(f"stream closed after {got} of {n} bytes")
+            got += k
+    finally:
+        if deadline is not None:
+            sock.settimeout(per_read)
     return bytes(buf)
 
 
 def open_stream(control_path: str, peer_id: str, protocol: str, timeout: float) -> socket.socket:
     """Ask the p2pd listening on `control_path` to open a stream to `peer_id` for `protocol`; return it
-    as a blocking socket whose reads and writes time out after `timeout` s."""
+    as a blocking socket whose reads and writes time out after `timeout` s (opening it takes at most that)."""
+    deadline = time.monotonic() + timeout
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
@@ -59,13 +71,13 @@ def open_stream(control_path: str, peer_id: str, protocol: str, timeout: float) 
         sock.sendall(_varint(len(request)) + request)
         length, shift = 0, 0
         for _ in range(_MAX_VARINT_BYTES):
-            byte = recv_exact(sock, 1)[0]
+            byte = recv_exact(sock, 1, deadline)[0]
             length |= (byte & 0x7F) << shift
             shift += 7
             if not byte & 0x80:
                 break
         response = p2pd_pb2.Response()
-        response.ParseFromString(recv_exact(sock, length))
+        response.ParseFromString(recv_exact(sock, length, deadline))
         if response.type == p2pd_pb2.Response.ERROR:
             raise StreamError(f"p2pd could not open a stream to {peer_id[:20]}...: {response.error.msg}")
         return sock
@@ -108,5 +120,14 @@ def send_file_range(fd: int, file_fd: int, offset: int, count: int, timeout: flo
         if rate:
             ahead = sent / rate - (time.monotonic() - started)
             if ahead > 0:
-                time.sleep(ahead)
+                _pause(fd, ahead)
     return sent
+
+
+def _pause(fd: int, seconds: float) -> None:
+    """Send nothing for `seconds`, but end at once (`StreamError`) if the peer closes the stream meanwhile:
+    it sends nothing after its request, so the socket turning readable means it hung up."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    if poller.poll(seconds * 1000):
+        raise StreamError("the peer closed the stream")

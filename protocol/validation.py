@@ -1,8 +1,12 @@
 """The record validator every skillswarm DHT peer runs: only a record's author can write it, only where
 its content says it belongs, and only a well-formed, signed, size-capped skillswarm record is kept.
+A peer that knows its network (`StorePolicy`, from the network file) also keeps only what that network
+admits: its skills, its admitted workers' deltas, its coordinators' checkpoints.
 
 hivemind calls `validate` when a peer asks us to store a value and when a peer returns a value we asked
 for; anything that fails is dropped, so a malformed or forged value never reaches the application.
+How much each author may store is not decided here (a validator sees one value at a time): see
+`storage_caps`.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from dataclasses import dataclass
 
 import msgspec
 from hivemind.dht.routing import DHTID
@@ -19,7 +24,9 @@ from skillswarm.protocol.codec import decode_record
 from skillswarm.protocol.errors import RecordError
 from skillswarm.protocol.identity import Identity, peer_id_from_public_key, verify_raw, verify_record
 from skillswarm.protocol.keys import locations, subkey_owner
-from skillswarm.protocol.records import PeerRecord, ProviderRecord, Record, kind_of
+from skillswarm.protocol.records import (
+    CheckpointManifest, DeltaManifest, NetworkSpec, PeerRecord, ProviderRecord, Record, SkillStats, kind_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -27,14 +34,18 @@ SIGNATURE_BYTES = 64
 # The DHT-level signature covers the location and the expiration time, so nobody can replay an old value
 # of another peer with a later expiration (keeping a dead peer "online") or move it to another key.
 _DOMAIN = b"skillswarm/dht-value/v1\x00"
-# How far in the future a value may expire, per kind: short-lived announcements stay short-lived.
+# How far in the future a value may expire, per kind: each a little above what the nodes use, so a value
+# outlives its author by at most that long.
 MAX_TTL: dict[str, float] = {
-    "peer": 600.0,
-    "skill_stats": 3600.0,
-    "provider": 86400.0,
-    "delta": 7 * 86400.0,
-    "checkpoint": 30 * 86400.0,
+    "peer": 600.0,  # heartbeats live 3 beats (30 s by default); 600 s allows beats up to 200 s apart
+    "skill_stats": 600.0,  # workers re-put them while training, with a 300 s lifetime (node/worker.py)
+    "provider": 3600.0,  # re-announced every ttl/3; nodes use 120-600 s
+    "delta": 86400.0,  # workers keep deltas 24 h (node/worker.py DELTA_TTL)
+    "checkpoint": 86400.0,  # coordinators keep manifests 24 h, re-stored every 8 h (node/coordinator.py)
 }
+# A peer without a network file cannot tell a trusted coordinator from anyone else, so the checkpoint
+# manifests it keeps live at most this long (an untrusted manifest cannot squat in the DHT for a day).
+UNTRUSTED_CHECKPOINT_TTL = 3600.0
 CLOCK_SKEW = 60.0
 _encoder = msgspec.msgpack.Encoder()
 
@@ -53,6 +64,37 @@ def _subkey_bytes(subkey: str) -> bytes:
     return msgspec.msgpack.encode(subkey)
 
 
+@dataclass(frozen=True)
+class StorePolicy:
+    """What one network's peers store, from its network file: its own records, deltas and skill stats of
+    its skills (by admitted workers only, in an allowlist network), checkpoints signed by its coordinators."""
+
+    network: str
+    skills: frozenset[str]
+    coordinators: frozenset[str]
+    workers: frozenset[str] | None = None  # None: open admission, any key may publish deltas
+
+    @classmethod
+    def from_spec(cls, spec: NetworkSpec) -> StorePolicy:
+        """The policy a network file states (`trust.admission == "allowlist"`: only `trust.workers` publish)."""
+        workers = frozenset(spec.trust.workers) if spec.trust.admission == "allowlist" else None
+        return cls(network=spec.network, skills=frozenset(spec.skills), coordinators=frozenset(spec.coordinators),
+                   workers=workers)
+
+    def check(self, record: Record) -> None:
+        """Raise `ValueError` saying why this network does not store `record`."""
+        kind = kind_of(type(record))
+        if record.network != self.network:
+            raise ValueError(f"{kind} record of network `{record.network}`, this peer stores `{self.network}`")
+        if isinstance(record, (DeltaManifest, SkillStats)):
+            if record.skill not in self.skills:
+                raise ValueError(f"{kind} record for skill `{record.skill}`, which network {self.network} lacks")
+            if self.workers is not None and record.author not in self.workers:
+                raise ValueError(f"{kind} record by {record.author[:16]}, a key the network's allowlist lacks")
+        if isinstance(record, CheckpointManifest) and record.author not in self.coordinators:
+            raise ValueError(f"checkpoint manifest by {record.author[:16]}, not one of the network's coordinators")
+
+
 class OwnerSignatureValidator(RecordValidatorBase):
     """Ed25519 owner signatures on DHT values plus the skillswarm record checks.
 
@@ -61,11 +103,13 @@ class OwnerSignatureValidator(RecordValidatorBase):
     signature by that owner; a value that decodes as a skillswarm record within its size cap and schema;
     a valid record signature whose author is the owner; a location equal to where the record's content
     says it lives (network, protocol version, kind, version, skill, blob); a peer id that is the author's;
-    and an expiration within the kind's maximum lifetime.
+    and an expiration within the kind's maximum lifetime. With a `policy`, the record must also be one
+    the network admits; without one, a checkpoint manifest may live at most `UNTRUSTED_CHECKPOINT_TTL`.
     """
 
-    def __init__(self, identity: Identity | None = None) -> None:
+    def __init__(self, identity: Identity | None = None, policy: StorePolicy | None = None) -> None:
         self._identity = identity
+        self._policy = policy
 
     def validate(self, record: DHTRecord) -> bool:
         """Called when a peer asks us to store `record` and when a peer returns it: False drops it."""
@@ -100,6 +144,11 @@ class OwnerSignatureValidator(RecordValidatorBase):
             raise ValueError(f"{kind} record names peer {rec.peer_id}, which is not its author's peer id")
         if record.expiration_time > time.time() + MAX_TTL[kind] + CLOCK_SKEW:
             raise ValueError(f"{kind} record expires later than the {MAX_TTL[kind]:g} s a {kind} may live")
+        if self._policy is not None:
+            self._policy.check(rec)
+        elif isinstance(rec, CheckpointManifest) and record.expiration_time > time.time() + UNTRUSTED_CHECKPOINT_TTL + CLOCK_SKEW:
+            raise ValueError(f"checkpoint manifest expires later than the {UNTRUSTED_CHECKPOINT_TTL:g} s an untrusted "
+                             "one may live (this peer has no network file to tell a coordinator by)")
         return rec
 
     def sign_value(self, record: DHTRecord) -> bytes:

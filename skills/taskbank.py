@@ -61,9 +61,10 @@ class TaskBank:
         rng = random.Random(seed)
         return [self.sample(rng) for _ in range(n)]
 
-    def eval_tasks(self, n: int) -> list[Task]:
-        """The first `n` distinct tasks of the fixed held-out list (a prefix of any longer request)."""
-        rng = random.Random(self._eval_seed)
+    def eval_tasks(self, n: int, seed: int | None = None) -> list[Task]:
+        """The first `n` distinct tasks of the fixed held-out list (a prefix of any longer request); with a
+        `seed`, `n` distinct held-out tasks drawn with it instead (a sample nobody could know in advance)."""
+        rng = random.Random(self._eval_seed if seed is None else seed)
         seen: set[str] = set()
         out: list[Task] = []
         tries = 0

@@ -30,6 +30,17 @@ def still_running(procs: list[psutil.Process], timeout: float) -> list[psutil.Pr
         time.sleep(0.05)
 
 
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.3):  # noqa: ANN001, ANN201
+    """The first truthy value of `predicate()`, polled until `timeout` s (AssertionError naming `what`)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def signed_dht_record(signer: Identity, value: bytes | object, key: str, subkey: str, ttl: float = 30.0) -> DHTRecord:
     """What hivemind stores and hands the validator: key id, msgpack subkey, msgpack value with the
     owner signature `signer` makes (valid only when `subkey` is the signer's)."""

@@ -19,7 +19,9 @@ from skillswarm.protocol.dht import SwarmDHT
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.netspec import load_spec
 from skillswarm.protocol.records import DeltaManifest
+from skillswarm.protocol.validation import StorePolicy
 from tests.conftest import ROOT, SKILLSWARM, run_cli
+from tests.net_helpers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -49,30 +51,21 @@ def _coordinator(spec_file: Path, maddr: str, key: Path, home: Path, failpoint: 
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
 
 
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_killed_coordinator_restarts_cleanly(nano_model: Path, tmp_path: Path) -> None:
     key = tmp_path / "coord.key"
     spec_file = tmp_path / "net.toml"
     run_cli("net", "init", "--name", "rec", "--model", str(nano_model), "--skill", "arith", "--min-deltas", "1",
-            "--codec", "dense_fp32", "--key", str(key), "--out", str(spec_file))
+            "--codec", "dense_fp32", "--screen-eval-n", "0", "--key", str(key), "--out", str(spec_file))
     spec = load_spec(spec_file)
     coord_id = Identity.load(key)
     home = tmp_path / "h-coord"
     store = CheckpointStore("rec", home / "cache" / "networks" / "rec")
 
     worker_blobs = BlobStore(tmp_path / "worker-blobs")
-    with SwarmDHT("rec", Identity.generate()) as dht:  # the bootstrap, and a worker that published one delta
+    with SwarmDHT("rec", Identity.generate(), policy=StorePolicy.from_spec(spec)) as dht:  # bootstrap + a worker
         maddr = dht.visible_maddrs()[0]
         dht.serve_blobs(worker_blobs)
+        dht.start_heartbeat(lambda: dht.make_peer_record(role="worker", skills=["arith"]))  # only online workers count
         delta = compute_delta(nano_model, _tuned_copy(nano_model, tmp_path / "tuned", 1), tmp_path / "d.safetensors",
                               "dense_fp32", base_hash=spec.base_hash, skill="arith")
         sha = worker_blobs.add_file(delta.path, move=True)
@@ -98,7 +91,7 @@ def test_killed_coordinator_restarts_cleanly(nano_model: Path, tmp_path: Path) -
         # 3. A clean restart publishes the committed v1 as it was signed, and merges nothing again.
         p = _coordinator(spec_file, maddr, key, home, None)
         try:
-            seen = _wait_for(lambda: published(1), 120, "v1 on the network")
+            seen = wait_for(lambda: published(1), 120, "v1 on the network", poll=0.5)
             time.sleep(3)  # give it time to (wrongly) merge the same deltas again
             assert seen == committed and seen.author == coord_id.public_key_hex
             assert published(2) is None and store.versions() == [0, 1]

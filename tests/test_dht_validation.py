@@ -1,11 +1,12 @@
-"""The DHT key layout and the owner-signature validator every peer runs (no network: the validator is
-called exactly as hivemind calls it, on DHTRecords made the way hivemind makes them)."""
+"""The DHT key layout, the owner-signature validator every peer runs and the network's store policy (no
+network: the validator is called exactly as hivemind calls it, on DHTRecords made the way hivemind makes them)."""
 
 from __future__ import annotations
 
 import time
 
 import msgspec
+import pytest
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 
@@ -13,9 +14,10 @@ from skillswarm.protocol import keys
 from skillswarm.protocol.codec import encode_record
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.records import (
-    CheckpointManifest, DeltaManifest, FileEntry, PeerRecord, ProviderRecord, Record, SkillStats, TrainStats,
+    CheckpointManifest, DeltaManifest, FileEntry, NetworkSpec, PeerRecord, ProviderRecord, Record, SkillStats,
+    TrainStats, TrustPolicy,
 )
-from skillswarm.protocol.validation import OwnerSignatureValidator
+from skillswarm.protocol.validation import MAX_TTL, OwnerSignatureValidator, StorePolicy
 from tests.net_helpers import signed_dht_record
 
 NET = "demo"
@@ -119,7 +121,65 @@ def test_malformed_oversized_and_unsigned_values_are_dropped() -> None:
 def test_expiration_beyond_a_kinds_lifetime_is_rejected() -> None:
     assert validator.validate(_stored(_peer(alice), ttl=300))
     assert not validator.validate(_stored(_peer(alice), ttl=3600))  # a PeerRecord lives minutes, not hours
-    assert validator.validate(_stored(_checkpoint(alice), ttl=86400))
+    # Without a network file nobody is trusted: a checkpoint manifest lives an hour at most.
+    assert validator.validate(_stored(_checkpoint(alice), ttl=3000))
+    assert not validator.validate(_stored(_checkpoint(alice), ttl=7200))
+    # A coordinator of the network may keep its manifests a day (node/coordinator.py MANIFEST_TTL), not more.
+    trusting = OwnerSignatureValidator(policy=StorePolicy.from_spec(_spec(coordinators=[alice.public_key_hex])))
+    assert trusting.validate(_stored(_checkpoint(alice), ttl=86400))
+    assert not trusting.validate(_stored(_checkpoint(alice), ttl=2 * 86400))
+
+
+def test_the_lifetimes_nodes_use_are_within_the_caps() -> None:
+    from skillswarm.node.coordinator import MANIFEST_TTL
+    from skillswarm.node.pull import SHARE_TTL
+    from skillswarm.node.worker import DELTA_TTL, STATS_TTL
+
+    assert DELTA_TTL <= MAX_TTL["delta"] and STATS_TTL <= MAX_TTL["skill_stats"]
+    assert MANIFEST_TTL <= MAX_TTL["checkpoint"] and max(SHARE_TTL, 600.0) <= MAX_TTL["provider"]
+    assert 3 * 10.0 <= MAX_TTL["peer"]  # heartbeats: 3 beats of 10 s
+
+
+def _spec(**trust_and_more) -> NetworkSpec:
+    fields = {"network": NET, "base_model": "m", "base_hash": "a" * 64, "skills": ["arith", "rev"], **trust_and_more}
+    return NetworkSpec(**fields)
+
+
+def _delta(who: Identity, skill: str = "arith", network: str = NET) -> DeltaManifest:
+    return who.sign_record(DeltaManifest(network=network, skill=skill, base_version=1, base_hash="a" * 64,
+                                         blob="b" * 64, size=1, codec="dense_bf16", norm=1.0, num_tensors=1))
+
+
+def test_a_policy_keeps_only_what_its_network_admits() -> None:
+    policy = StorePolicy.from_spec(_spec(coordinators=[alice.public_key_hex]))
+    assert policy.workers is None and policy.skills == {"arith", "rev"}
+    check = OwnerSignatureValidator(policy=policy).validate
+    stats = bob.sign_record(SkillStats(network=NET, skill="arith", checkpoint_version=1, stats=TrainStats()))
+    for good in (_delta(bob), _delta(bob, "rev"), stats, _peer(bob), _checkpoint(alice)):
+        assert check(_stored(good, bob if good.author == bob.public_key_hex else alice)), type(good).__name__
+    invented = bob.sign_record(SkillStats(network=NET, skill="poetry", checkpoint_version=1, stats=TrainStats()))
+    for bad, signer in [(_delta(bob, "poetry"), bob), (invented, bob), (_checkpoint(bob), bob),
+                        (_delta(bob, network="other"), bob)]:
+        assert not check(_stored(bad, signer)), bad
+    # a policy binds one network; the bare validator (a bootstrap peer with no file) takes any network's records
+    assert validator.validate(_stored(_delta(bob, network="other"), bob))
+
+
+def test_an_allowlist_network_stores_deltas_of_listed_workers_only() -> None:
+    with pytest.raises(ValueError, match="at least one key"):
+        TrustPolicy(admission="allowlist")
+    spec = _spec(trust=TrustPolicy(admission="allowlist", workers=[alice.public_key_hex]))
+    policy = StorePolicy.from_spec(spec)
+    assert policy.workers == {alice.public_key_hex}
+    check = OwnerSignatureValidator(policy=policy).validate
+    assert check(_stored(_delta(alice), alice))
+    assert not check(_stored(_delta(bob), bob))
+    stats = bob.sign_record(SkillStats(network=NET, skill="arith", checkpoint_version=1, stats=TrainStats()))
+    assert not check(_stored(stats, bob))  # nor the training progress of a key that may not train
+    assert check(_stored(_peer(bob), bob))  # anyone may still announce itself (observers, coordinators)
+    # the open network that lists the same keys admits anyone
+    open_spec = _spec(trust=TrustPolicy(admission="open", workers=[alice.public_key_hex]))
+    assert OwnerSignatureValidator(policy=StorePolicy.from_spec(open_spec)).validate(_stored(_delta(bob), bob))
 
 
 def test_only_own_subkeys_get_signed() -> None:

@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from skillswarm.merge.codecs import encode_tensor
 from skillswarm.merge.deltas import compute_delta, encode_delta, read_delta
+from skillswarm.merge.exact import lora_product
 from skillswarm.merge.tensorfile import TensorFile
 from skillswarm.protocol.errors import MergeError
 from skillswarm.protocol.hashing import sha256_file
@@ -75,7 +76,8 @@ def test_lora_is_exact_on_a_low_rank_delta(tmp_path: Path) -> None:
     assert info.size < (64 * 48 + 300 * 260) * 4 / 3
     a, b = torch.randn(2, 48), torch.randn(64, 2)  # ready factors from a LoRA trainer
     encode_delta({"a": (a, b)}, tmp_path / "f.safetensors", "lora")
-    assert torch.allclose(read_delta(tmp_path / "f.safetensors").get("a"), b @ a)
+    got = read_delta(tmp_path / "f.safetensors").get("a")
+    assert torch.equal(got, lora_product(b, a)) and torch.allclose(got, b @ a, atol=1e-5)  # B @ A, order-fixed
     with pytest.raises(MergeError, match="only be stored with the lora codec"):
         encode_delta({"a": (a, b)}, tmp_path / "g.safetensors", "int8")
 

@@ -65,7 +65,7 @@ def test_one_round_end_to_end(nano_model: Path, tmp_path: Path) -> None:
     coord_key = tmp_path / "coordinator.key"
     spec_file = tmp_path / "net.toml"
     run_cli("net", "init", "--name", "e2e", "--model", str(nano_model), "--skill", "reverse", "--skill", "sort",
-            "--min-deltas", "2", "--steps-per-round", "3", "--method", "ties", "--codec", "lora",
+            "--min-deltas", "2", "--steps-per-round", "3", "--method", "ties", "--codec", "lora", "--screen-eval-n", "0",
             "--key", str(coord_key), "--out", str(spec_file))
     spec = load_spec(spec_file)
     logs = tmp_path / "logs"
@@ -85,7 +85,7 @@ def test_one_round_end_to_end(nano_model: Path, tmp_path: Path) -> None:
         rogue = SwarmDHT("e2e", Identity.generate(), initial_peers=[maddr]).start()
         fake = CheckpointManifest(network="e2e", version=7, parent_version=6, parent_hash="0" * 64, weights_hash="1" * 64,
                                   files=[FileEntry(path="config.json", sha256="2" * 64, size=10)])
-        assert rogue.put(fake, 600, keep=True)
+        rogue.put(fake, 600, keep=True)  # peers with the network file refuse it; none may ever show it
 
         coordinator = _start(["coordinator", "run", *join, "--key", str(coord_key), "--eval-n", "16"],
                              tmp_path / "h-coord", logs / "coordinator.log")

@@ -24,6 +24,9 @@ def run(
     chunk_elems: Annotated[Optional[int], typer.Option(
         help="Elements per row chunk of the streaming merge, which bounds memory per delta (default: the "
              "engine's). Results never depend on it or on --threads.", min=1)] = None,
+    max_blob_gb: Annotated[Optional[float], typer.Option(
+        help="Cap on the blob store (GB): a download that would pass it is refused (default: only keep the disk "
+             "from filling).", min=0.001)] = None,
     host: HostOpt = "0.0.0.0",
     port: PortOpt = 0,
     announce: AnnounceOpt = None,
@@ -44,7 +47,8 @@ def run(
         torch.set_num_threads(threads)  # torch's own kernels too, not only the merge's thread pool
     with stop_on_signals() as stop, open_session(network, key=key, peers=peers, host=host, port=port,
                                                  announce=announce or (), auto_relay=auto_relay,
-                                                 ephemeral_key=verify and key is None) as s:
+                                                 ephemeral_key=verify and key is None,
+                                                 max_blob_bytes=int(max_blob_gb * 1e9) if max_blob_gb else None) as s:
         if verify:
             manifest = find_checkpoint(s.dht, s.spec, version)
             if manifest is None:
@@ -70,6 +74,8 @@ def run(
                 console.print(f"published checkpoint v{data['version']} ({data['weights_hash'][:12]})")
             elif kind == "round":
                 console.print(f"round v{data['version']}: {data['deltas']} delta(s)")
+            elif kind == "waiting":
+                console.print(data["note"], highlight=False)
             elif kind == "merged":
                 accs = ", ".join(f"{k} {v:.2f}" for k, v in data["metrics"].items())
                 console.print(f"merged v{data['version']}: {data['included']} in, {data['rejected']} rejected, "
@@ -78,7 +84,7 @@ def run(
         coordinator = Coordinator(s.spec, s.identity, s.dht, s.store, s.blobs, eval_n=eval_n, on_event=event,
                                   merge_options=options)
         s.dht.start_heartbeat(lambda: s.dht.make_peer_record(role="coordinator", state=coordinator.state,
-                                                             checkpoint_version=s.store.latest()),
+                                                             note=coordinator.note, checkpoint_version=s.store.latest()),
                               interval=10.0, ttl=30.0)
         console.print(f"coordinator [bold]{s.identity.peer_id}[/] for {s.spec.network}; listening on "
                       f"{', '.join(s.dht.visible_maddrs()[:2])}", highlight=False)

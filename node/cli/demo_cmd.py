@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from skillswarm.node.cli.common import JsonOpt, console, err_console, print_json, table
+from skillswarm.protocol.records import ScreenPolicy
 
 
 def demo_cmd(
@@ -22,6 +23,9 @@ def demo_cmd(
     compare: Annotated[Optional[list[str]], typer.Option(help="Also re-merge the last round with METHOD or METHOD@LAMBDA and report its retention (default: ties@1 and task_arithmetic@1).")] = None,
     no_compare: Annotated[bool, typer.Option("--no-compare", help="Skip the re-merge comparison.")] = False,
     eval_n: Annotated[int, typer.Option(help="Held-out episodes per skill for every accuracy figure.", min=1)] = 100,
+    screen_eval_n: Annotated[int, typer.Option(help="Held-out tasks per skill the coordinator evaluates each delta on "
+                                                    "before merging it (the network's usefulness test); 0: off.",
+                                               min=0)] = ScreenPolicy().eval_n,
     json: JsonOpt = False,
 ) -> None:
     """Start a bootstrap peer, a coordinator and one worker per skill on 127.0.0.1, run a few rounds, pull
@@ -35,7 +39,7 @@ def demo_cmd(
     skills = skill or list(BUILTINS)
     cfg = DemoConfig(out=out.resolve(), skills=skills, rounds=rounds, steps_per_round=steps_per_round,
                      minutes_per_round=minutes_per_round or None, method=method, density=density, scale=lambda_,
-                     eval_n=eval_n)
+                     eval_n=eval_n, screen=ScreenPolicy(eval_n=screen_eval_n))
     if no_compare or compare:
         cfg.compare = [] if no_compare else compare
     for text in [method, *cfg.compare]:

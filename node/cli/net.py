@@ -11,7 +11,10 @@ import typer
 from skillswarm.node.cli.common import JsonOpt, KeyOpt, console, fail, print_json, table
 from skillswarm.protocol.identity import Identity, fingerprint
 from skillswarm.protocol.netspec import load_spec, save_spec
-from skillswarm.protocol.records import CODECS, MERGE_METHODS, MergePolicy, NetworkSpec, RoundPolicy
+from skillswarm.protocol.records import (ADMISSIONS, CODECS, MERGE_METHODS, MergePolicy, NetworkSpec, RoundPolicy,
+                                         ScreenPolicy, TrustPolicy)
+
+_SCREEN, _TRUST = ScreenPolicy(), TrustPolicy()  # the policies' own defaults, shown in --help
 
 app = typer.Typer(help="Create and inspect networks.", no_args_is_help=True)
 
@@ -53,6 +56,13 @@ def init(
     steps_per_round: Annotated[int, typer.Option(help="Training steps per round.")] = 20,
     min_deltas: Annotated[int, typer.Option(help="Deltas a coordinator waits for before merging.")] = 1,
     max_wait: Annotated[float, typer.Option(help="Seconds a round waits at most.")] = 900.0,
+    admission: Annotated[str, typer.Option(help=f"Who may publish deltas: {', '.join(ADMISSIONS)} (allowlist: only "
+                                                "the --worker keys).")] = _TRUST.admission,
+    worker: Annotated[Optional[list[str]], typer.Option(help="An allowed worker's public key (hex); repeatable.")] = None,
+    screen_eval_n: Annotated[int, typer.Option(help="Held-out tasks per skill a coordinator evaluates each delta on "
+                                                    "before merging it; 0 turns the usefulness test off.",
+                                               min=0)] = _SCREEN.eval_n,
+    confidence: Annotated[float, typer.Option(help="Confidence a delta must show that it improves its skill.")] = _SCREEN.confidence,
     key: KeyOpt = None,
     force: Annotated[bool, typer.Option(help="Overwrite an existing file.")] = False,
 ) -> None:
@@ -69,6 +79,8 @@ def init(
                 "coordinators": coordinator or [ident.public_key_hex], "bootstrap": bootstrap or [], "codec": codec,
                 "round": msgspec.to_builtins(RoundPolicy(steps_per_round=steps_per_round, min_deltas=min_deltas, max_wait_s=max_wait)),
                 "merge": {**msgspec.to_builtins(MergePolicy()), "method": method, "density": density, "lambda": scale},
+                "trust": {**msgspec.to_builtins(_TRUST), "admission": admission, "workers": worker or []},
+                "screen": {**msgspec.to_builtins(_SCREEN), "eval_n": screen_eval_n, "confidence": confidence},
             },
             NetworkSpec,
         )
@@ -93,6 +105,12 @@ def show(path: Annotated[Path, typer.Argument(help="Network file.")] = Path("net
         ["round", f"{spec.round.steps_per_round} steps, >= {spec.round.min_deltas} deltas, <= {spec.round.max_wait_s:g} s"],
         ["merge", f"{spec.merge.method} (density {spec.merge.density:g}, lambda {spec.merge.scale:g}, "
                   f"within a skill: {spec.merge.aggregator})"],
+        ["admission", spec.trust.admission + (f" ({len(spec.trust.workers)} keys)" if spec.trust.admission == "allowlist"
+                                              else f" (<= {spec.trust.max_deltas_per_author} deltas per key and "
+                                                   f"{spec.trust.max_deltas_per_round} per round)")],
+        ["screening", "usefulness test off" if not spec.screen.eval_n else
+         f"{spec.screen.eval_n} held-out tasks per skill, {spec.screen.confidence:.0%} confidence, "
+         f"others may lose <= {spec.screen.max_other_drop:.0%}"],
         ["signed by", fingerprint(spec.author) if spec.signature else "(unsigned)"],
     ]
     console.print(table(f"network {spec.network}", ["field", "value"], rows))
@@ -131,10 +149,12 @@ def _short(peer_id: str) -> str:
 
 def _observer(spec: NetworkSpec, peers: list[str] | None):
     """A short-lived client-mode peer with a throwaway key (never the node's own: two peers with one
-    identity on one network confuse libp2p)."""
+    identity on one network confuse libp2p), which accepts only what the network admits."""
     from skillswarm.protocol.dht import SwarmDHT
+    from skillswarm.protocol.validation import StorePolicy
 
-    return SwarmDHT(spec.network, Identity.generate(), host="0.0.0.0", initial_peers=_join_peers(spec, peers), client_mode=True)
+    return SwarmDHT(spec.network, Identity.generate(), host="0.0.0.0", initial_peers=_join_peers(spec, peers),
+                    client_mode=True, policy=StorePolicy.from_spec(spec))
 
 
 @app.command("serve")
@@ -150,19 +170,22 @@ def serve(
     key: KeyOpt = None,
     json: JsonOpt = False,
 ) -> None:
-    """Run a DHT peer (a bootstrap for others) with the project's record validators until Ctrl-C or SIGTERM."""
+    """Run a DHT peer (a bootstrap for others) with the project's record validators and storage caps until
+    Ctrl-C or SIGTERM; with --network, it stores only what that network admits."""
     import signal
     import threading
 
     from skillswarm.protocol.dht import SwarmDHT
     from skillswarm.protocol.hardware import probe_hardware
+    from skillswarm.protocol.validation import StorePolicy
 
     spec = load_spec(network) if network else None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     dht = SwarmDHT(spec.network if spec else None, Identity.load_or_create(key), host=host, port=port,
-                   initial_peers=peers or (), announce_maddrs=announce or (), use_auto_relay=auto_relay, use_relay=relay)
+                   initial_peers=peers or (), announce_maddrs=announce or (), use_auto_relay=auto_relay, use_relay=relay,
+                   policy=StorePolicy.from_spec(spec) if spec else None)
     with dht:
         maddrs = dht.visible_maddrs()
         if spec is not None:
@@ -237,6 +260,8 @@ def status(
         "roles": dict(roles), "workers_per_skill": skills, "latest_checkpoint": latest,
         "checkpoint_versions": sorted({c.version for c in checkpoints}),
         "deltas_on_latest": len(deltas), "trusted_coordinators": len(spec.coordinators),
+        "coordinators": [{"peer_id": p.peer_id, "state": p.state, "note": p.note,
+                          "trusted": p.author in spec.coordinators} for p in online if p.role == "coordinator"],
     }
     if json:
         print_json(view)
@@ -249,6 +274,9 @@ def status(
         ["versions seen", ", ".join(f"v{v}" for v in view["checkpoint_versions"]) or "-"],
         ["deltas on latest", len(deltas)],
     ]
+    for c in view["coordinators"]:
+        trust = "" if c["trusted"] else " (not trusted by this network file)"
+        rows.append([f"coordinator {_short(c['peer_id'])}", f"{c['state']}{trust}" + (f": {c['note']}" if c["note"] else "")])
     if not spec.coordinators:
         rows.append(["note", "the network file trusts no coordinator: no checkpoint is accepted"])
     console.print(table(f"status of {spec.network} (this node's view)", ["", ""], rows))

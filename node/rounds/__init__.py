@@ -1,0 +1,17 @@
+"""A coordinator's round as swappable steps (Flower's strategies are the model). In data-flow order:
+
+- context.py     Candidate (one delta manifest moving through the round), RoundContext, the Step protocol
+- admission.py   Admission (manifest-only checks) and Caps (per key, per round) before any download
+- fetching.py    Fetch: the round's blobs, concurrently, within its budget
+- inspection.py  Inspect (file structure, finiteness, norm claim and bounds) and Consensus (direction)
+- usefulness.py  Usefulness: paired held-out evaluation, one-sided sign tests
+- reputation.py  keys' records across rounds: gate, order, weight, say in the consensus
+- strategy.py    Weigh, the default steps, RoundStrategy (screen -> groups -> merge -> evaluate)
+
+`coordinator.py` collects the round's manifests, runs a RoundStrategy, and commits and publishes.
+"""
+
+from skillswarm.node.rounds.context import Candidate, RoundContext, Step
+from skillswarm.node.rounds.strategy import RoundStrategy, default_steps, evaluate_all
+
+__all__ = ["Candidate", "RoundContext", "RoundStrategy", "Step", "default_steps", "evaluate_all"]

@@ -1,0 +1,90 @@
+"""Pre-screening: what a coordinator checks on a delta's manifest alone, before spending a download on it.
+
+`Admission` rejects (with the reason in the manifest) a delta for a skill the network does not have, for
+another base, by a key the network does not admit or whose reputation is below the floor, by a worker
+that stopped heartbeating, announcing a file larger than any encoding of this model can be, or claiming
+a norm outside the skill's history. `Caps` then bounds what one key and one round may cost: at most
+`max_deltas_per_author` per key and `max_deltas_per_round` in all, best reputation first; the rest are
+counted as omitted (a flood of sybil deltas must not grow the manifest).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from skillswarm.merge.screening import norm_outlier
+from skillswarm.node.rounds.context import Candidate, RoundContext
+from skillswarm.node.rounds.reputation import Reputation, reputation_of, reputations
+from skillswarm.protocol.records import CheckpointManifest
+
+def skill_norm_history(history: list[CheckpointManifest], skill: str, rounds: int) -> list[float]:
+    """The norms of the deltas of `skill` that the newest `rounds` checkpoints included."""
+    recent = sorted(history, key=lambda m: m.version)[-rounds:]
+    return [d.norm for m in recent for d in m.included if d.skill == skill and d.norm > 0]
+
+
+@dataclass
+class Admission:
+    """Manifest-only checks (see the module docstring)."""
+
+    name: str = "admission"
+
+    def __call__(self, ctx: RoundContext, candidates: list[Candidate]) -> list[Candidate]:
+        spec, parent = ctx.spec, ctx.parent
+        trust, screen = spec.trust, spec.screen
+        table = reputations(ctx.history, trust.reputation_rounds)
+        limit = ctx.max_delta_bytes
+        out = []
+        for c in candidates:
+            harmful = True
+            m = c.manifest
+            rep = reputation_of(table, c.author)
+            c.figures["reputation"] = rep.score
+            history = skill_norm_history(ctx.history, c.skill, screen.history_rounds)
+            if m.skill not in spec.skills:
+                why = f"skill {m.skill!r} is not one of the network's"
+            elif m.base_version != parent.version or m.base_hash != parent.weights_hash:
+                why = f"trained on v{m.base_version} ({m.base_hash[:12]}), not on the round's v{parent.version}"
+            elif trust.admission == "allowlist" and c.author not in trust.workers:
+                why = "its key is not on the network's allowlist"
+            elif rep.score < trust.min_reputation:
+                why = (f"its key's reputation {rep.score:.2f} ({rep.included} included, {rep.rejected} rejected) "
+                       f"is below the network's floor {trust.min_reputation:g}")
+            elif ctx.online is not None and c.author not in ctx.online:
+                why, harmful = "its worker is not online (no live peer record): its blob may never arrive", False
+            elif m.size > limit:
+                why = f"it announces {m.size} bytes; no encoding of this model needs more than {limit}"
+            else:
+                why = norm_outlier(m.norm, history, spec.screen.min_norm_ratio, spec.merge.max_norm_ratio)
+                why = None if why is None else f"its manifest's {why}"
+            if why is None:
+                out.append(c)
+            else:
+                ctx.reject(c, self.name, why, {**c.figures, "claimed_norm": m.norm}, harmful=harmful)
+        return out
+
+
+def _rank(c: Candidate, table: dict[str, Reputation]) -> tuple:
+    return (-reputation_of(table, c.author).score, c.manifest.created, c.manifest.blob)
+
+
+@dataclass
+class Caps:
+    """At most `max_deltas_per_author` per key (its earliest) and `max_deltas_per_round` in all (best
+    reputation first); what is left out is counted in the manifest's `omitted`."""
+
+    name: str = "caps"
+
+    def __call__(self, ctx: RoundContext, candidates: list[Candidate]) -> list[Candidate]:
+        trust = ctx.spec.trust
+        table = reputations(ctx.history, trust.reputation_rounds)
+        per_author: dict[str, int] = {}
+        kept = []
+        for c in sorted(candidates, key=lambda c: (c.manifest.created, c.manifest.blob)):
+            per_author[c.author] = per_author.get(c.author, 0) + 1
+            if per_author[c.author] <= trust.max_deltas_per_author:
+                kept.append(c)
+        kept.sort(key=lambda c: _rank(c, table))
+        out = kept[:trust.max_deltas_per_round]
+        ctx.omitted += len(candidates) - len(out)
+        return sorted(out, key=lambda c: c.manifest.blob)

@@ -1,0 +1,99 @@
+"""What moves through a coordinator's round: candidates (one per delta manifest) and the round's context.
+
+A step takes the context and the surviving candidates and returns the ones that pass; it rejects the
+others through `RoundContext.reject`, which records the step, the reason and the figures it judged on
+(they go into the checkpoint manifest, so `net deltas` can show why).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from skillswarm.protocol.blobs import BlobStore
+from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, NetworkSpec, Rejection
+
+log = logging.getLogger(__name__)
+
+REASON_CHARS = 256
+_FIGURE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+
+
+@dataclass
+class Candidate:
+    """One delta in a round: its manifest, and what the steps learned about it."""
+
+    manifest: DeltaManifest
+    path: Path | None = None  # the fetched blob
+    norm: float | None = None  # measured on the file
+    weight: float = 1.0  # in its skill's aggregation
+    figures: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def skill(self) -> str:
+        """The skill it claims to improve."""
+        return self.manifest.skill
+
+    @property
+    def author(self) -> str:
+        """Its author's public key."""
+        return self.manifest.author
+
+
+@dataclass
+class RoundContext:
+    """Everything a step may read: the network, the parent checkpoint, recent history, who is online, where
+    blobs go; and what the round decided so far (rejections, omissions)."""
+
+    spec: NetworkSpec
+    parent: CheckpointManifest
+    base_dir: Path
+    blobs: BlobStore
+    history: list[CheckpointManifest] = field(default_factory=list)  # trusted manifests before this one
+    online: set[str] | None = None  # authors with a live peer record; None: unknown (no filter)
+    dht: Any = None  # a SwarmDHT for fetching; None: candidates arrive with their paths
+    eval_seed: int = 0
+    progress: bool = False
+    rejected: list[tuple[Candidate, Rejection]] = field(default_factory=list)
+    omitted: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)  # per step
+
+    @functools.cached_property
+    def max_delta_bytes(self) -> int:
+        """The most bytes any delta of the parent model can take (downloads are capped at this)."""
+        from skillswarm.merge.deltas import max_delta_bytes
+
+        return max_delta_bytes(self.base_dir)
+
+    def reject(self, cand: Candidate, step: str, reason: str, figures: dict[str, float] | None = None, *,
+               harmful: bool = True) -> None:
+        """Record that `cand` is out of the round, at `step`, and why. `harmful` False: the delta did no harm
+        (its blob did not arrive, its gain was not significant), so it does not count against its key."""
+        figures = {"harmful": float(harmful), **(figures or cand.figures)}
+        short = reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS - 3] + "..."
+        log.info("round v%d: rejected %s (%s) at %s: %s", self.parent.version, cand.manifest.blob[:12], cand.skill,
+                 step, short)
+        self.rejected.append((cand, Rejection(blob=cand.manifest.blob, author=cand.author, skill=cand.skill,
+                                              reason=short, step=step, figures=clean_figures(figures))))
+
+
+def clean_figures(figures: dict[str, float]) -> dict[str, float]:
+    """The first 8 finite figures, rounded to 6 significant digits (what a manifest can carry)."""
+    out: dict[str, float] = {}
+    for k, v in figures.items():
+        if len(out) < 8 and _FIGURE_NAME.match(k) and math.isfinite(v) and abs(v) <= 1e12:
+            out[k] = float(f"{v:.6g}")
+    return out
+
+
+class Step(Protocol):
+    """One step of a round: returns the candidates that pass; rejects the rest with `ctx.reject`."""
+
+    name: str
+
+    def __call__(self, ctx: RoundContext, candidates: list[Candidate]) -> list[Candidate]: ...

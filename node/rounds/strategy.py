@@ -1,0 +1,91 @@
+"""A round strategy: the ordered screening steps, how accepted deltas become per-skill groups, the merge,
+and the evaluation of the result. The coordinator runs one; a network that wants a stricter policy builds
+its own (other steps, other order, another weighting) without touching `coordinator.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from skillswarm.node.rounds.admission import Admission, Caps
+from skillswarm.node.rounds.context import Candidate, RoundContext, Step
+from skillswarm.node.rounds.fetching import Fetch
+from skillswarm.node.rounds.inspection import Consensus, Inspect
+from skillswarm.node.rounds.reputation import reputation_of, reputations
+from skillswarm.node.rounds.usefulness import Usefulness
+from skillswarm.protocol.records import SkillMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Weigh:
+    """Each accepted delta's weight in its skill's aggregation: its key's reputation (0.5 for a new key), so
+    proven contributors count for more than fresh ones."""
+
+    name: str = "weigh"
+
+    def __call__(self, ctx: RoundContext, candidates: list[Candidate]) -> list[Candidate]:
+        table = reputations(ctx.history, ctx.spec.trust.reputation_rounds)
+        for c in candidates:
+            c.weight = round(reputation_of(table, c.author).score, 6)
+        return candidates
+
+
+def default_steps() -> list[Step]:
+    """The network's default screening: manifest checks, caps, fetch, file checks, consensus, usefulness, weights."""
+    return [Admission(), Caps(), Fetch(), Inspect(), Consensus(), Usefulness(), Weigh()]
+
+
+def evaluate_all(model_dir: Path, skills: list[str], n: int) -> dict[str, SkillMetrics]:
+    """Held-out accuracy and mean reward of every skill on one checkpoint (greedy, the fixed eval split)."""
+    from skillswarm.node.evaluation import evaluate
+    from skillswarm.node.generation import HFEngine
+
+    engine = HFEngine.load(model_dir)
+    out = {}
+    for skill in skills:
+        r = evaluate(engine, skill, n=n)
+        out[skill] = SkillMetrics(accuracy=r.accuracy, mean_reward=r.mean_reward, n=r.n)
+    return out
+
+
+@dataclass
+class RoundStrategy:
+    """screen (the steps, in order) -> groups -> merge -> evaluate."""
+
+    steps: list[Step] = field(default_factory=default_steps)
+    evaluate: Callable[[Path, list[str], int], dict[str, SkillMetrics]] = evaluate_all
+
+    def screen(self, ctx: RoundContext, candidates: list[Candidate]) -> list[Candidate]:
+        """Run every step on what the previous one let through; each step's seconds go to `ctx.seconds`."""
+        for step in self.steps:
+            if not candidates:
+                break
+            t0 = time.monotonic()
+            candidates = step(ctx, candidates)
+            ctx.seconds[step.name] = ctx.seconds.get(step.name, 0.0) + time.monotonic() - t0
+            log.debug("round v%d: %d candidate(s) after %s", ctx.parent.version, len(candidates), step.name)
+        return candidates
+
+    def groups(self, accepted: list[Candidate]) -> dict[str, list[tuple[Path, float]]]:
+        """Accepted deltas by skill, each with its weight, in blob order (the order the merge sums them)."""
+        out: dict[str, list[tuple[Path, float]]] = {}
+        for c in sorted(accepted, key=lambda c: c.manifest.blob):
+            assert c.path is not None
+            out.setdefault(c.skill, []).append((c.path, c.weight))
+        return out
+
+    def merge(self, ctx: RoundContext, groups: dict[str, list[tuple[Path, float]]], out_dir: Path, delta_out: Path,
+              **options: Any) -> Any:
+        """The network's merge of the groups onto the parent (a `merge.MergeResult`)."""
+        from skillswarm.merge import merge_checkpoint
+        from skillswarm.merge.deltas import dense_codec_for
+
+        return merge_checkpoint(ctx.base_dir, groups, ctx.spec.merge, out_dir, seed=ctx.parent.version,
+                                delta_out=delta_out, delta_codec=dense_codec_for(ctx.base_dir),
+                                base_hash=ctx.parent.weights_hash, progress=ctx.progress, **options)

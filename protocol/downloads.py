@@ -1,0 +1,184 @@
+"""The caller's side of blob downloads: what `SwarmDHT.fetch_report` and `SwarmDHT.fetch_many` run.
+
+`fetch_one` finds the providers, refuses a blob the store has no room for before any byte moves, starts
+`fetcher.fetch_blob` in the DHT process under its deadline (GRACE_S + size / MIN_RATE unless given) and
+waits for it; if the caller stops waiting, the fetch is cancelled there too. `fetch_many` runs a round's
+fetches concurrently under one time budget: what is not done when the budget ends is cancelled, keeps its
+bytes for a later resume, and comes back as a `BlobError`, like every other failed blob.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import uuid
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+from skillswarm.protocol.blobs import BlobStore, check_sha256
+from skillswarm.protocol.errors import BlobError, NetworkError
+from skillswarm.protocol.fetcher import cancel_fetches, fetch_blob
+from skillswarm.protocol.progress import PartialProgress
+from skillswarm.protocol.records import ProviderRecord
+from skillswarm.protocol.transfer import GRACE_S, MIN_RATE, FetchReport, Source, deadline_for
+
+if TYPE_CHECKING:
+    from skillswarm.protocol.dht import SwarmDHT
+
+logger = logging.getLogger(__name__)
+
+Item = tuple[str, "int | None", int]  # (sha, size or None when unknown, max_size)
+
+
+def _limits(min_rate: Any, deadline_s: Any, grace_s: Any, stall_timeout: Any) -> tuple[float, float]:
+    """`min_rate` and `grace_s` with their defaults, once every limit given is checked to be a positive number."""
+    for name, value in (("min_rate", min_rate), ("deadline_s", deadline_s), ("grace_s", grace_s),
+                        ("stall_timeout", stall_timeout)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            unit = "bytes/s" if name == "min_rate" else "seconds"
+            raise BlobError(f"{name}={value!r}: give a positive number of {unit}")
+    return float(MIN_RATE if min_rate is None else min_rate), float(GRACE_S if grace_s is None else grace_s)
+
+
+def _byte_count(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise BlobError(f"{name}={value!r}: give a number of bytes (a whole number, 0 or more)")
+
+
+def fetch_one(dht: SwarmDHT, sha: str, *, size: int | None, max_size: int, store: BlobStore,
+              providers: Sequence[str | ProviderRecord] | None, progress: bool, stall_timeout: float,
+              min_rate: float | None, deadline_s: float | None, grace_s: float | None,
+              token: str | None = None) -> FetchReport:
+    """Download one blob through `dht` (see `SwarmDHT.fetch_report`); `token` names the fetch for
+    `fetcher.cancel_fetches`."""
+    check_sha256(sha)
+    if store.has(sha):
+        return FetchReport(path=str(store.path(sha)), sha=sha, size=store.size(sha), already_present=True)
+    min_rate, grace_s = _limits(min_rate, deadline_s, grace_s, stall_timeout)
+    _byte_count("max_size", max_size)
+    if size is not None:
+        _byte_count("size", size)
+    token = token or uuid.uuid4().hex
+    if providers is None:
+        providers = dht.get_providers(sha)
+    sources = [Source(p) if isinstance(p, str) else Source(p.peer_id, tuple(p.addrs), p.size) for p in providers]
+    if size is None:
+        sizes = {s.size for s in sources if s.size is not None}
+        size = sizes.pop() if len(sizes) == 1 else None
+    if size is not None and size <= max_size:
+        store.check_room(size, sha)  # refused before any byte moves (the DHT process checks again)
+    if deadline_s is None:
+        deadline_s = deadline_for(size if size is not None else max_size, min_rate, grace_s)
+    # SwarmDHT's own submit and wait: one pipe to the DHT process, one waiting loop.
+    future = dht._submit(fetch_blob, dict(
+        sha=sha, sources=sources, root=str(store.root), size=size, max_size=max_size, stall_s=stall_timeout,
+        deadline_s=deadline_s, min_rate=min_rate, grace_s=grace_s, max_bytes=store.max_bytes, token=token))
+    try:
+        with PartialProgress(store.partial_path(sha), size, f"blob {sha[:12]}", enabled=progress) as bar:
+            # The DHT process keeps the deadline; this wait only backs it up.
+            return dht._wait(future, deadline_s + stall_timeout + 30, tick=bar.update)
+    except BlobError:
+        raise
+    except BaseException:  # the caller stopped waiting (interrupted, or no answer): stop the bytes too
+        _cancel(dht, [token], "its caller stopped waiting")
+        raise
+
+
+def _cancel(dht: SwarmDHT, tokens: list[str], why: str) -> None:
+    try:
+        dht.run_coroutine(cancel_fetches, timeout=10, tokens=tokens, why=why)
+    except Exception:  # the DHT process is gone or not answering: nothing is left to stop
+        logger.debug("could not cancel %d fetches", len(tokens), exc_info=True)
+
+
+def _items(items: Iterable[Item]) -> list[Item]:
+    """The items as (sha, size, max_size) tuples, each sha once; `BlobError` if they are not such tuples."""
+    wanted: dict[str, Item] = {}
+    try:
+        for sha, size, max_size in items:
+            if not isinstance(sha, str):
+                raise TypeError
+            wanted.setdefault(sha, (sha, size, max_size))
+    except (TypeError, ValueError):
+        raise BlobError("fetch_many takes (sha, size or None, max_size) tuples, e.g. "
+                        "[(delta.blob, delta.size, 1 << 30)]") from None
+    return list(wanted.values())
+
+
+def fetch_many(dht: SwarmDHT, items: Iterable[Item], *, budget_s: float, store: BlobStore, max_parallel: int = 4,
+               progress: bool = False, min_rate: float | None = None, grace_s: float | None = None,
+               stall_timeout: float = 30.0) -> dict[str, Path | BlobError]:
+    """Fetch `items` through `dht`, at most `max_parallel` at once, all within `budget_s` (see
+    `SwarmDHT.fetch_many`). Never raises for one blob: each sha maps to its Path or its BlobError."""
+    wanted = _items(items)
+    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not 0 < budget_s < math.inf:
+        raise BlobError(f"budget_s={budget_s!r}: give the round's fetch budget as a positive number of seconds")
+    if isinstance(max_parallel, bool) or not isinstance(max_parallel, int) or max_parallel < 1:
+        raise BlobError(f"max_parallel={max_parallel!r}: give how many fetches may run at once (1 or more)")
+    _limits(min_rate, None, grace_s, stall_timeout)
+    if not dht.is_running:
+        raise NetworkError("the DHT peer is not running; call start() first")
+    why = f"the round's fetch budget of {budget_s:g} s ran out"
+    end = time.monotonic() + budget_s
+    tokens = {sha: uuid.uuid4().hex for sha, _, _ in wanted}
+    stop = threading.Event()
+
+    def one(sha: str, size: int | None, max_size: int) -> Path:
+        if stop.is_set():
+            raise BlobError(f"blob {sha[:12]}: {why} before its fetch started")
+        return Path(fetch_one(dht, sha, size=size, max_size=max_size, store=store, providers=None, progress=False,
+                              stall_timeout=stall_timeout, min_rate=min_rate, deadline_s=None, grace_s=grace_s,
+                              token=tokens[sha]).path)
+
+    pool = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="fetch-many")
+    futures = {pool.submit(one, *item): item[0] for item in wanted}
+    try:
+        with _RoundProgress(store, [sha for sha, _, _ in wanted], [s for _, s, _ in wanted], progress) as bar:
+            pending = set(futures)
+            while pending and (left := end - time.monotonic()) > 0:
+                _, pending = wait(pending, timeout=min(0.2, left), return_when=FIRST_COMPLETED)
+                bar.update()
+    finally:
+        stop.set()
+        late = [f for f in futures if not f.done()]
+        pool.shutdown(wait=False, cancel_futures=True)
+        if late:
+            _cancel(dht, [tokens[futures[f]] for f in late], why)
+            wait(late, timeout=5)  # stopped fetches answer within a poll or two; their errors say what arrived
+    return {sha: _outcome(f, sha, why) for f, sha in futures.items()}
+
+
+def _outcome(future: Future, sha: str, why: str) -> Path | BlobError:
+    if not future.done() or future.cancelled():
+        return BlobError(f"blob {sha[:12]}: {why} before it arrived; the bytes received are kept for a later fetch")
+    error = future.exception()
+    if error is None:
+        return future.result()
+    return error if isinstance(error, BlobError) else BlobError(f"blob {sha[:12]}: {error}")
+
+
+class _RoundProgress(PartialProgress):
+    """One bar for a round's downloads: the bytes their partial and finished files hold."""
+
+    def __init__(self, store: BlobStore, shas: list[str], sizes: list[int | None], enabled: bool) -> None:
+        total = None if None in sizes else sum(s for s in sizes if s is not None)
+        super().__init__(store.root, total, f"{len(shas)} blobs", enabled)
+        self.store, self.shas = store, shas
+
+    def update(self) -> None:
+        """Show how many bytes the round's files hold now."""
+        if self._progress is not None:
+            self._progress.update(self._task, completed=sum(_held(self.store, sha) for sha in self.shas))
+
+
+def _held(store: BlobStore, sha: str) -> int:
+    for path in (store.path, store.partial_path):
+        try:
+            return path(sha).stat().st_size
+        except (FileNotFoundError, BlobError):
+            continue
+    return 0

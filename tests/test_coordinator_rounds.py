@@ -1,0 +1,136 @@
+"""A coordinator's round on real peers (127.0.0.1): only online workers' deltas count, an empty round says
+so in `net status`, and a round whose deltas are all rejected backs off, deletes their blobs, does not
+retry them, and lists them in the manifest of the round that finally merges."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from skillswarm.merge.deltas import encode_delta
+from skillswarm.node.coordinator import Coordinator
+from skillswarm.node.store import CheckpointStore
+from skillswarm.protocol.blobs import BlobStore
+from skillswarm.protocol.dht import SwarmDHT
+from skillswarm.protocol.hashing import weights_hash
+from skillswarm.protocol.identity import Identity
+from skillswarm.protocol.netspec import save_spec
+from skillswarm.protocol.records import DeltaManifest, NetworkSpec, RoundPolicy, ScreenPolicy
+from skillswarm.protocol.validation import StorePolicy
+from tests.conftest import run_cli
+from tests.net_helpers import wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+NET = "rounds"
+
+
+class Swarm:
+    """A bootstrap, a running coordinator (in a thread) and helpers to publish deltas as workers."""
+
+    def __init__(self, base: Path, tmp: Path) -> None:
+        self.base, self.tmp = base, tmp
+        self.coord_id = Identity.generate()
+        self.spec = self.coord_id.sign_record(NetworkSpec(
+            network=NET, base_model=str(base), base_hash=weights_hash(base), skills=["reverse", "sort"],
+            coordinators=[self.coord_id.public_key_hex], codec="dense_fp32",
+            round=RoundPolicy(min_deltas=1, max_wait_s=1.0, max_backoff_s=2.0), screen=ScreenPolicy(eval_n=0)))
+        self.spec_file = save_spec(self.spec, tmp / "net.toml")
+        self.policy = StorePolicy.from_spec(self.spec)
+        self.peers: list[SwarmDHT] = []
+        self.boot = self.peer(Identity.generate())
+        self.maddr = self.boot.visible_maddrs()[0]
+        self.dht = self.peer(self.coord_id)
+        self.blobs = BlobStore(tmp / "coord-blobs")
+        self.dht.serve_blobs(self.blobs)
+        self.coordinator = Coordinator(self.spec, self.coord_id, self.dht, CheckpointStore(NET, tmp / "coord"),
+                                       self.blobs, eval_n=4, poll=0.3)
+        self.dht.start_heartbeat(lambda: self.dht.make_peer_record(role="coordinator", state=self.coordinator.state,
+                                                                   note=self.coordinator.note), interval=1.0, ttl=3.0)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.coordinator.run, args=(self.stop, 1), daemon=True)
+        self.thread.start()
+
+    def peer(self, identity: Identity) -> SwarmDHT:
+        dht = SwarmDHT(NET, identity, initial_peers=[self.maddr] if self.peers else (), policy=self.policy).start()
+        self.peers.append(dht)
+        return dht
+
+    def worker(self, online: bool) -> SwarmDHT:
+        dht = self.peer(Identity.generate())
+        dht.serve_blobs(BlobStore(self.tmp / f"w-{dht.identity.peer_id[:8]}"))
+        if online:
+            dht.start_heartbeat(lambda: dht.make_peer_record(role="worker", skills=["sort"]), interval=1.0, ttl=3.0)
+        return dht
+
+    def publish(self, worker: SwarmDHT, seed: int, **lie: float) -> DeltaManifest:
+        g = torch.Generator().manual_seed(seed)
+        base = load_file(str(self.base / "model.safetensors"))
+        values = {k: torch.randn(v.shape, generator=g) * 1e-3 for k, v in base.items() if v.is_floating_point()}
+        info = encode_delta(values, self.tmp / f"d{seed}.safetensors", "dense_fp32", base_hash=self.spec.base_hash,
+                            skill="sort")
+        store = BlobStore(self.tmp / f"w-{worker.identity.peer_id[:8]}")
+        sha = store.add_file(info.path, move=True)
+        worker.provide(sha, store=store)
+        manifest = DeltaManifest(network=NET, skill="sort", base_version=0, base_hash=self.spec.base_hash, blob=sha,
+                                 size=info.size, codec="dense_fp32", norm=lie.get("norm", info.norm),
+                                 num_tensors=info.num_tensors)
+        assert worker.put(manifest, 600, keep=True)
+        return manifest
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(60)
+        for dht in reversed(self.peers):
+            dht.shutdown()
+
+
+@pytest.fixture
+def swarm(nano_model: Path, tmp_path: Path) -> Iterator[Swarm]:
+    s = Swarm(nano_model, tmp_path)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def test_only_online_workers_count_and_an_empty_round_says_so(swarm: Swarm) -> None:
+    ghost = swarm.worker(online=False)
+    swarm.publish(ghost, seed=1)  # a manifest whose worker is gone (no live peer record)
+    wait_for(lambda: "no new deltas from online workers" in swarm.coordinator.note, 60, "the empty-round note")
+    status = json.loads(run_cli("net", "status", "--network", str(swarm.spec_file), "--peers", swarm.maddr, "--json",
+                                timeout=120).stdout)
+    (coord,) = status["coordinators"]
+    assert coord["state"] == "waiting" and "no new deltas from online workers" in coord["note"] and coord["trusted"]
+
+    live = swarm.worker(online=True)
+    delta = swarm.publish(live, seed=2)
+    swarm.thread.join(120)
+    v1 = swarm.coordinator.store.manifest(1)
+    assert [d.blob for d in v1.included] == [delta.blob]  # the ghost's delta was never considered
+    assert v1.included[0].norm > 0 and v1.eval_seed is not None and swarm.coordinator.note == ""
+
+
+def test_an_all_rejected_round_backs_off_deletes_its_blobs_and_lists_them_later(swarm: Swarm) -> None:
+    calls = []
+    real = swarm.coordinator.merge_round
+    swarm.coordinator.merge_round = lambda *a, **k: (calls.append(1), real(*a, **k))[1]  # count attempts
+    liar = swarm.publish(swarm.worker(online=True), seed=3, norm=123.0)  # the file's norm is ~0.06
+    wait_for(lambda: "rejected" in swarm.coordinator.note, 90, "the all-rejected note")
+    assert "all 1 new delta(s) rejected" in swarm.coordinator.note and swarm.coordinator.state == "waiting"
+    assert not swarm.blobs.has(liar.blob)  # fetched, rejected, deleted
+    time.sleep(3)  # backoff passes; the same rejected delta is not tried again
+    assert len(calls) == 1 and not swarm.coordinator.store.has(1)
+
+    honest = swarm.publish(swarm.worker(online=True), seed=4)
+    swarm.thread.join(120)
+    v1 = swarm.coordinator.store.manifest(1)
+    assert [d.blob for d in v1.included] == [honest.blob] and len(calls) == 2
+    (rej,) = v1.rejected
+    assert rej.blob == liar.blob and rej.step == "inspect" and "claims norm 123" in rej.reason

@@ -1,0 +1,69 @@
+"""The usefulness test on the real nano model with really trained deltas: an improving delta gets in; a
+sign-flipped, a random-direction, a trained-against-the-skill and a forgetting delta stay out, each with
+its figures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from skillswarm.merge.deltas import encode_delta, read_delta
+from skillswarm.node.rounds import Candidate, RoundContext
+from skillswarm.node.rounds.usefulness import Usefulness
+from skillswarm.protocol.blobs import BlobStore
+from skillswarm.protocol.hashing import sha256_file, weights_hash
+from skillswarm.protocol.identity import Identity
+from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, FileEntry, NetworkSpec, ScreenPolicy
+from tests.sft import sft_delta
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+SKILLS = ["arith", "calc", "reverse", "sort"]
+
+
+def _candidate(path: Path, skill: str, base_hash: str) -> Candidate:
+    f = read_delta(path)
+    info_norm, n = f.norm(), len(f.names())
+    f.close()
+    manifest = Identity.generate().sign_record(DeltaManifest(
+        network="use", skill=skill, base_version=0, base_hash=base_hash, blob=sha256_file(path),
+        size=path.stat().st_size, codec="dense_fp32", norm=info_norm, num_tensors=n))
+    return Candidate(manifest, path=path)
+
+
+def test_only_the_delta_that_helps_its_skill_without_hurting_others_gets_in(nano_model: Path, tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    base_hash = weights_hash(nano_model)
+    honest = sft_delta(nano_model, "reverse", tmp_path / "honest.safetensors", steps=60, lr=3e-4)
+    forgetting = sft_delta(nano_model, "sort", tmp_path / "sort.safetensors", steps=60, lr=3e-4, seed=1)
+    against = sft_delta(nano_model, "reverse", tmp_path / "against.safetensors", steps=20, lr=3e-4, against=True)
+    values = dict(read_delta(honest.path).items())
+    flipped = encode_delta({k: -v for k, v in values.items()}, tmp_path / "flipped.safetensors", "dense_fp32")
+    g = torch.Generator().manual_seed(0)
+    noise = {k: torch.randn(v.shape, generator=g) for k, v in values.items()}
+    scale = honest.norm / float(torch.cat([v.reshape(-1) for v in noise.values()]).norm())
+    random = encode_delta({k: v * scale for k, v in noise.items()}, tmp_path / "random.safetensors", "dense_fp32")
+
+    spec = NetworkSpec(network="use", base_model=str(nano_model), base_hash=base_hash, skills=SKILLS,
+                       codec="dense_fp32", screen=ScreenPolicy(eval_n=64, confidence=0.9, max_other_drop=0.05))
+    parent = CheckpointManifest(network="use", version=0, weights_hash=base_hash,
+                                files=[FileEntry(path="config.json", sha256="1" * 64, size=2)])
+    ctx = RoundContext(spec=spec, parent=parent, base_dir=nano_model, blobs=BlobStore(tmp_path / "blobs"),
+                       history=[parent], eval_seed=20261201)
+    cands = {name: _candidate(info.path, skill, base_hash) for name, info, skill in [
+        ("honest", honest, "reverse"), ("forgetting", forgetting, "sort"), ("against", against, "reverse"),
+        ("flipped", flipped, "reverse"), ("random", random, "reverse")]}
+    accepted = Usefulness()(ctx, list(cands.values()))
+
+    assert accepted == [cands["honest"]], {c.manifest.blob[:8]: r.reason for c, r in ctx.rejected}
+    h = cands["honest"].figures
+    assert h["gain"] > 0.05 and h["p_better"] <= 0.1 and h["eval_s"] > 0
+    reasons = {c.manifest.blob: r for c, r in ctx.rejected}
+    for name in ("against", "flipped", "random"):
+        r = reasons[cands[name].manifest.blob]
+        assert r.step == "usefulness" and "does not improve reverse" in r.reason, (name, r.reason)
+        assert r.figures["p_better"] > 0.1 or r.figures["gain"] <= 0
+    r = reasons[cands["forgetting"].manifest.blob]
+    assert "it costs" in r.reason and "the network tolerates 5.0%" in r.reason, r.reason
+    assert r.figures["worst_other_gain"] < -0.05 and r.figures["p_worse"] <= 0.1
