@@ -27,7 +27,8 @@ import torch
 from skillswarm.protocol.errors import MergeError
 
 _EXP_BUCKETS = 256  # one per float32 biased exponent (0 = subnormal, 255 = inf/nan)
-_BLOCK = 1 << 15  # elements per step of a blocked loop: its temporaries stay in the CPU's cache
+_BLOCK = 1 << 15  # elements per step of the exact sums: their int64 temporaries stay in the CPU's cache
+_LORA_BLOCK = 1 << 18  # output elements per block of the LoRA product (fewer, larger calls measured faster)
 
 
 def lora_product(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
@@ -39,7 +40,7 @@ def lora_product(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     out = torch.zeros((m, n), dtype=torch.float32)
     if r == 0 or n == 0:
         return out
-    rows = max(1, _BLOCK // n)  # a block of rows takes all r updates while it is in cache
+    rows = max(1, _LORA_BLOCK // n)  # a block of rows takes all r updates before the next block
     term = torch.empty((min(rows, m), n), dtype=torch.float32)
     for i in range(0, m, rows):
         bb, block = b[i:i + rows], out[i:i + rows]
@@ -51,14 +52,17 @@ def lora_product(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 values as (exponent, integer mantissa) with x = mant * 2^(exp - 150) exactly; exp >= 1
-    (a subnormal scales like exponent 1, without the implicit bit). The mantissa carries x's sign."""
+def _split(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 values as int32 (exponent, integer mantissa) with |x| = mant * 2^(exp - 150) exactly; exp >= 1
+    (a subnormal scales like exponent 1, without the implicit bit). `signed`: the mantissa carries x's sign."""
     bits = x.view(torch.int32)
-    exp = (bits >> 23) & 0xFF
-    mant = (bits & 0x7FFFFF) | ((exp != 0).to(torch.int32) << 23)  # the implicit bit of normal numbers
-    mant = torch.where(bits < 0, -mant, mant)
-    return exp.clamp_min(1), mant
+    exp = bits >> 23
+    exp &= 0xFF
+    mant = bits & 0x7FFFFF
+    mant |= (exp != 0).to(torch.int32) << 23  # the implicit bit of normal numbers
+    if signed:
+        mant = torch.where(bits < 0, -mant, mant)
+    return exp.clamp_min_(1), mant
 
 
 class ProductSum:
@@ -66,7 +70,7 @@ class ProductSum:
     order, chunking, thread count or machine. With x = mx * 2^(ex - 150) for an integer |mx| < 2^24, each
     product is mx*my * 2^(ex + ey - 300); the integer (|mx*my| < 2^48) is split into a signed high and a
     24-bit low part, summed per exponent in int64 (exact for up to 2^39 terms per exponent), and the
-    buckets are combined as one Python integer."""
+    buckets are combined as one Python integer. Partial sums (one per thread, say) `merge` exactly."""
 
     _BUCKETS = 2 * _EXP_BUCKETS
 
@@ -81,20 +85,28 @@ class ProductSum:
         fy = fx if y is None else y.detach().to(torch.float32).contiguous().reshape(-1)
         if fx.shape != fy.shape:
             raise ValueError(f"products of tensors of different sizes: {fx.numel()} and {fy.numel()}")
-        for part in (fx,) if y is None else (fx, fy):
-            if not bool(torch.isfinite(part).all()):
-                self._nan = self._nan or bool(torch.isnan(part).any()) or y is not None
-                self._inf = True
+        if y is not None and not (bool(torch.isfinite(fx).all()) and bool(torch.isfinite(fy).all())):
+            self._nan = True  # a product with an inf or a nan has no finite sum
+        specials = int(self._hi[2 * 255])  # squares of inf and nan land in bucket 510, and only they do
         for i in range(0, fx.numel(), _BLOCK):
-            ex, mx = _split(fx[i:i + _BLOCK])
+            ex, mx = _split(fx[i:i + _BLOCK], signed=y is not None)
             if y is None:
-                where, prod = (2 * ex).to(torch.int64), mx.to(torch.int64)
+                where, prod = ex.mul_(2), mx.to(torch.int64)
                 prod.mul_(prod)
             else:
-                ey, my = _split(fy[i:i + _BLOCK])
-                where, prod = (ex + ey).to(torch.int64), mx.to(torch.int64) * my.to(torch.int64)
+                ey, my = _split(fy[i:i + _BLOCK], signed=True)
+                where, prod = ex.add_(ey), mx.to(torch.int64).mul_(my)
             self._hi.index_add_(0, where, prod >> 24)  # arithmetic shift: floor, so hi * 2^24 + lo == prod
-            self._lo.index_add_(0, where, prod & 0xFFFFFF)
+            self._lo.index_add_(0, where, prod.bitwise_and_(0xFFFFFF))
+        if y is None and int(self._hi[2 * 255]) != specials:
+            self._inf = True
+            self._nan = self._nan or bool(torch.isnan(fx).any())
+
+    def merge(self, other: "ProductSum") -> None:
+        """Add another partial sum into this one (exact: integer buckets)."""
+        self._hi += other._hi
+        self._lo += other._lo
+        self._nan, self._inf = self._nan or other._nan, self._inf or other._inf
 
     def value(self) -> float:
         """The sum, correctly rounded to float64 (inf if a square was infinite, nan for nan or inf * y)."""
@@ -140,11 +152,15 @@ def to_bfloat16(x: torch.Tensor) -> torch.Tensor:
     """float32 -> bfloat16, rounding to nearest even on the bit pattern (NaN -> one quiet NaN). Integer
     ops only, so subnormals round like every other value whatever the CPU's bf16 instructions do."""
     f = x.detach().to(torch.float32).contiguous()
-    bits = torch.where(torch.isnan(f), torch.tensor(0x7FC00000, dtype=torch.int32), f.view(torch.int32))
-    # bits + 0x7FFF + lsb never overflows int32 once NaNs are replaced; >> is arithmetic, so a negative
-    # value's top half comes out sign-extended and fits int16 with the right bit pattern.
-    rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
-    return rounded.to(torch.int16).view(torch.bfloat16)
+    bits = f.view(torch.int32)
+    nan = torch.isnan(f)
+    if bool(nan.any()):  # the one pattern whose rounding would overflow int32: make every NaN 0x7FC00000
+        bits = bits.masked_fill(nan, 0x7FC00000)
+    # bits + 0x7FFF + lsb never overflows now; the arithmetic >> 16 leaves a negative value's top half
+    # sign-extended, which fits int16 with the right bit pattern.
+    r = bits >> 16
+    r.bitwise_and_(1).add_(0x7FFF).add_(bits).bitwise_right_shift_(16)
+    return r.to(torch.int16).view(torch.bfloat16)
 
 
 def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

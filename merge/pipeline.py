@@ -101,9 +101,9 @@ class _MergedDelta:
         self.n = len(layout)
         self.base_hash = base_hash
 
-    def write(self, name: str, d: torch.Tensor) -> None:
+    def write(self, name: str, d: torch.Tensor, sq: SquareSum) -> None:
         self.w.write(name, d)
-        self.sq.add(d)
+        self.sq.merge(sq)  # squared on the worker thread that computed d: the writer thread only writes
 
     def info(self, path: Path) -> DeltaInfo:
         sha, size = self.w.close()
@@ -145,12 +145,20 @@ def _stream(engine: Engine, names: list[str], cw: CheckpointWriter, md: _MergedD
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="skillswarm-merge")
     window: collections.deque = collections.deque()
 
+    def compute(name: str, r0: int, r1: int, prep: Any) -> tuple[torch.Tensor, torch.Tensor | None, SquareSum | None]:
+        out, d = engine.compute(name, r0, r1, prep)
+        sq = None
+        if md is not None and d is not None:
+            sq = SquareSum()
+            sq.add(d)
+        return out, d, sq
+
     def drain_one(advance: Any) -> None:
         name, last, fut = window.popleft()
-        out, d = fut.result()
+        out, d, sq = fut.result()
         cw.write(name, out)
         if md is not None and d is not None:
-            md.write(name, d)
+            md.write(name, d, sq)
         if last:
             advance()
 
@@ -162,7 +170,7 @@ def _stream(engine: Engine, names: list[str], cw: CheckpointWriter, md: _MergedD
                 for i, (r0, r1) in enumerate(chunks):
                     while len(window) > workers:
                         drain_one(advance)
-                    window.append((name, i == len(chunks) - 1, pool.submit(engine.compute, name, r0, r1, prep)))
+                    window.append((name, i == len(chunks) - 1, pool.submit(compute, name, r0, r1, prep)))
             while window:
                 drain_one(advance)
     finally:
