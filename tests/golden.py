@@ -137,8 +137,8 @@ def _merge(base: Path, groups: dict[str, list[tuple[Path, float]]], spec: MergeS
     got: dict[str, str] = {}
     for chunk, workers in CHUNKINGS:
         for full in (streaming.FULL_TENSOR_ELEMS, 0):
-            if full == 0 and chunk == CHUNKINGS[-1][0]:
-                continue  # a whole-tensor chunk computes its thresholds in place; nothing streams
+            if full == 0 and chunk != 1:
+                continue  # streamed (histogram) thresholds once, at one row per chunk: the most chunks
             target = out / f"{label}-{chunk}-{workers}-{full}"
             with _full_tensor_elems(full):
                 r = merge_checkpoint(base, groups, spec, target, seed=11, delta_out=target.with_suffix(".delta"),
