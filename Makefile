@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install test demo clean
+.PHONY: install sandbox-deps test demo clean
 
 $(BIN)/skillswarm: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,23 @@ $(BIN)/skillswarm: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	@touch $(BIN)/skillswarm
 
-install: $(BIN)/skillswarm
+# The python tool's sandbox runs model code under bubblewrap (see README, "The python sandbox"). As root
+# on Debian/Ubuntu it is installed here; otherwise the command to install it is printed. Then one
+# sandboxed run checks that this machine allows it (user namespaces), with what to do if not.
+sandbox-deps:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing bubblewrap (the python tool's sandbox)"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null 2>&1 || \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; }; \
+	  else \
+	    echo "error: the python sandbox needs bubblewrap (bwrap): sudo apt-get install bubblewrap (Debian, Ubuntu)," \
+	      "sudo dnf install bubblewrap (Fedora), sudo pacman -S bubblewrap (Arch), apk add bubblewrap (Alpine)" >&2; \
+	    exit 1; \
+	  fi; }
+
+install: $(BIN)/skillswarm sandbox-deps
+	@$(BIN)/skillswarm -q sandbox check >/dev/null
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

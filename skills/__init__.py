@@ -4,5 +4,5 @@ Where things are: `skill.Skill` (the unit), `taskbank` (tasks, train/eval split)
 multi-turn loop and its failure semantics), `toolcall` (the text protocol), `tools` and `sandbox`
 (tools), `rubric` (rewards), `episode` (the record), `chat` (conversations to tokens), `registry`
 (`get_skill`, `list_skills`, entry-point group `skillswarm.skills`), `builtin/` (arith, calc, reverse,
-sort) and `nano/` (tokenizer, recipe, warm-up, `build_base`). Nothing here imports `node` or `merge`.
+sort, code) and `nano/` (tokenizer, recipe, warm-up, `build_base`). Nothing here imports `node` or `merge`.
 """

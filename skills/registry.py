@@ -17,6 +17,7 @@ ENTRY_POINT_GROUP = "skillswarm.skills"
 BUILTINS: dict[str, str] = {
     "arith": "skillswarm.skills.builtin.arith:make_skill",
     "calc": "skillswarm.skills.builtin.calc:make_skill",
+    "code": "skillswarm.skills.builtin.code:make_skill",
     "reverse": "skillswarm.skills.builtin.strings:make_reverse",
     "sort": "skillswarm.skills.builtin.strings:make_sort",
 }

@@ -10,6 +10,11 @@ seen) and stops training a skill once it reaches `target_accuracy`, resuming it 
 `floor_accuracy`; the warm-up ends when every skill is paused, or after `steps`. Accuracy is measured
 teacher-forced: a demonstration counts as solved when the model's argmax is right at every one of its
 tokens, which is exactly when greedy decoding would replay it (the environments are deterministic).
+
+Each task is played once (its messages are kept). Skills named in `recipe.pooled` (those whose
+environment starts a sandbox per tool call, like `code`) draw their warm-up tasks from a fixed pool of
+`recipe.pool_size` train tasks, played up front: every demonstration still runs through the real
+environment and sandbox, and the build pays for a bounded number of sandbox runs.
 """
 
 from __future__ import annotations
@@ -17,11 +22,14 @@ from __future__ import annotations
 import logging
 import math
 import random
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
 
+from skillswarm.protocol.errors import SkillError
 from skillswarm.skills.chat import episode_tokens
+from skillswarm.skills.episode import Message
 from skillswarm.skills.nano.recipe import NanoRecipe
 from skillswarm.skills.skill import Skill
 from skillswarm.skills.taskbank import Task
@@ -45,9 +53,29 @@ def make_model(recipe: NanoRecipe, tokenizer: Any) -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
-def collate(skill: Skill, tokenizer: Any, tasks: list[Task], rng: random.Random) -> dict[str, torch.Tensor]:
-    """Demonstrations of `tasks`, right-padded; labels are -100 off the model's tokens."""
-    seqs = [episode_tokens(tokenizer, skill.demonstration(t, seed=rng.randrange(2**31)).messages) for t in tasks]
+def demo_messages(skill: Skill, task: Task, seed: int = 0) -> list[Message]:
+    """The reference player's episode of `task` through the skill's real environment (tools run), ungraded:
+    the warm-up needs only its text."""
+    if skill.reference is None:
+        raise SkillError(f"skill {skill.name} has no reference player to warm up on")
+    state = skill.reset(task, seed)
+    while not state.done:
+        skill.env.step(state, skill.reference(task, list(state.messages)))
+    if state.outcome == "env_error":
+        raise SkillError(f"the {skill.name} environment failed on its own reference player ({task.id}): {state.error}")
+    return state.messages
+
+
+def collate(skill: Skill, tokenizer: Any, tasks: list[Task], rng: random.Random,
+            played: dict[str, list[Message]] | None = None) -> dict[str, torch.Tensor]:
+    """Demonstrations of `tasks`, right-padded; labels are -100 off the model's tokens. `played` keeps
+    each task's messages (the environments are deterministic, so a task is played once)."""
+    played = {} if played is None else played
+    for t in tasks:
+        seed = rng.randrange(2**31)
+        if t.id not in played:
+            played[t.id] = demo_messages(skill, t, seed)
+    seqs = [episode_tokens(tokenizer, played[t.id]) for t in tasks]
     width = max(len(ids) for ids, _ in seqs)
     input_ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
     labels = torch.full((len(seqs), width), -100, dtype=torch.long)
@@ -83,22 +111,42 @@ def rows_per_skill(recipe: NanoRecipe) -> list[int]:
 
 
 class _SkillData:
-    """One skill's validation set (train split, fixed) and its training stream (never the validation tasks)."""
+    """One skill's validation set (train split, fixed) and its training stream (never the validation tasks):
+    drawn from the task bank, or, for skills in `recipe.pooled`, epoch by epoch from a fixed pool played up
+    front (two threads: each play mostly waits on a sandbox process)."""
 
-    def __init__(self, skill: Skill, tokenizer: Any, recipe: NanoRecipe, rng: random.Random) -> None:
+    def __init__(self, skill: Skill, tokenizer: Any, recipe: NanoRecipe, rng: random.Random, rows: int) -> None:
         self.skill, self.tokenizer, self.rng = skill, tokenizer, rng
+        self.played: dict[str, list[Message]] = {}
         val_tasks = skill.tasks.train_tasks(recipe.val_tasks, seed=rng.randrange(2**31))
         self.val_ids = {t.id for t in val_tasks}
-        self.val = collate(skill, tokenizer, val_tasks, rng)
+        self.pool: list[Task] = []
+        self.cursor = 0
+        if skill.name in recipe.pooled:
+            # never more than the warm-up can use: `rows` tasks a step, `steps` steps
+            pool = skill.tasks.train_tasks(min(recipe.pool_size, recipe.steps * rows), seed=rng.randrange(2**31))
+            self.pool = list({t.id: t for t in pool if t.id not in self.val_ids}.values())
+            rng.shuffle(self.pool)
+            todo = list({t.id: t for t in [*val_tasks, *self.pool]}.values())
+            with ThreadPoolExecutor(max_workers=2) as ex:
+                self.played = dict(zip([t.id for t in todo], ex.map(lambda t: demo_messages(skill, t), todo)))
+        self.val = collate(skill, tokenizer, val_tasks, rng, self.played)
         self.active = True
 
     def sample(self, n: int) -> dict[str, torch.Tensor]:
         tasks: list[Task] = []
         while len(tasks) < n:
-            task = self.skill.tasks.sample(self.rng)
+            if self.pool:
+                if self.cursor == len(self.pool):  # a new epoch, in a new order
+                    self.cursor = 0
+                    self.rng.shuffle(self.pool)
+                task = self.pool[self.cursor]
+                self.cursor += 1
+            else:
+                task = self.skill.tasks.sample(self.rng)
             if task.id not in self.val_ids:
                 tasks.append(task)
-        return collate(self.skill, self.tokenizer, tasks, self.rng)
+        return collate(self.skill, self.tokenizer, tasks, self.rng, self.played)
 
 
 def warm_up(model: torch.nn.Module, tokenizer: Any, skills: list[Skill], recipe: NanoRecipe,
@@ -109,12 +157,12 @@ def warm_up(model: torch.nn.Module, tokenizer: Any, skills: list[Skill], recipe:
     A step covers every active skill: one micro-batch per skill (their lengths differ a lot, so no
     padding across skills), gradients accumulated with the skill's weight, one optimizer step."""
     rng = random.Random(recipe.seed)
-    data = [_SkillData(s, tokenizer, recipe, random.Random(rng.randrange(2**31))) for s in skills]
+    rows = rows_per_skill(recipe)
+    data = [_SkillData(s, tokenizer, recipe, random.Random(rng.randrange(2**31)), n) for s, n in zip(skills, rows)]
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.98))
-    rows = rows_per_skill(recipe)
     scale = [w / sum(recipe.weights) for w in recipe.weights]
     accuracy = {s.name: 0.0 for s in skills}
     loss_value, step = float("nan"), 0
