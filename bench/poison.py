@@ -107,7 +107,7 @@ class Drill:
         """Screen (the default steps, or only the old file checks), merge, evaluate every skill."""
         from skillswarm.node.rounds import RoundContext, RoundStrategy
         from skillswarm.node.rounds.strategy import default_steps
-        from skillswarm.protocol.blobs import BlobStore
+        from skillswarm.protocol.transport.blobs import BlobStore
 
         steps = [s for s in default_steps() if s.name != "fetch"] if screened else [_OldScreen()]
         ctx = RoundContext(spec=self.spec, parent=self.parent, base_dir=self.base, blobs=BlobStore(self.work / "blobs"),

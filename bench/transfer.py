@@ -32,10 +32,10 @@ import hivemind
 import psutil
 from hivemind.p2p import PeerID
 
-from skillswarm.protocol.blobs import BlobStore
-from skillswarm.protocol.dht import SwarmDHT
+from skillswarm.protocol.transport.blobs import BlobStore
+from skillswarm.protocol.transport.dht import SwarmDHT
 from skillswarm.protocol.identity import Identity
-from skillswarm.protocol.streams import open_stream, send_all
+from skillswarm.protocol.transport.streams import open_stream, send_all
 
 BARE_HANDLER = "skillswarm-bench/bare"
 CHUNK = 1 << 20
@@ -105,10 +105,10 @@ async def asyncio_receive(_dht: hivemind.DHT, node: hivemind.DHTNode, peer: str,
 def sink_rate(n: int, root: str) -> float:
     """MB/s of what a fetch does to each byte besides receiving it (sha256, append, write-back, final
     fsync), in this process with nothing else running: the fetcher's ceiling on this disk and CPU."""
-    from skillswarm.protocol.transfer import _Partial
+    from skillswarm.protocol.transport.blobs import PartialDownload
 
     block = memoryview(os.urandom(CHUNK))
-    part = _Partial.open(Path(root) / "sink.part", Path(root) / "sink", 5.0)
+    part = PartialDownload.open(Path(root) / "sink.part", Path(root) / "sink", 5.0)
     start = time.perf_counter()
     for i in range(0, n, CHUNK):
         part.append(block[: min(CHUNK, n - i)])

@@ -32,7 +32,7 @@ from skillswarm.node.pull import find_checkpoint, local_base, pull, share
 from skillswarm.node.rounds import Candidate, RoundContext, RoundStrategy, evaluate_all
 from skillswarm.node.rounds.context import clean_figures
 from skillswarm.node.store import CheckpointStore, checkpoint_files
-from skillswarm.protocol.blobs import BlobStore
+from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.protocol.codec import encode_record
 from skillswarm.protocol.errors import RecordError, SkillswarmError, SpecError
 from skillswarm.protocol.hashing import weights_hash

@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from skillswarm.node.store import CheckpointStore, checkpoint_files, verify_dir
-from skillswarm.protocol.blobs import BlobStore
+from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.protocol.errors import BlobError, HashMismatchError, NetworkError, SkillswarmError
 from skillswarm.protocol.records import CheckpointManifest, NetworkSpec
 
 if TYPE_CHECKING:
-    from skillswarm.protocol.dht import SwarmDHT
+    from skillswarm.protocol.transport.dht import SwarmDHT
 
 log = logging.getLogger(__name__)
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 from skillswarm.skills.chat import encode, render, suffix
 from skillswarm.skills.environment import EpisodeState
-from skillswarm.skills.episode import Episode
+from skillswarm.skills.episode import Episode, Message
 from skillswarm.skills.skill import Skill
 from skillswarm.skills.taskbank import Task
 
@@ -80,19 +81,34 @@ def _start(skill: Skill, engine: Engine, task: Task, seed: int) -> _Live:
     return _Live(state, rollout, text)
 
 
-def _take_turn(skill: Skill, engine: Engine, live: _Live, gen: Any, budget: int) -> None:
-    """Append the generated tokens, step the environment, and append its observations as tokens
-    (unless they leave no room to generate within `budget`: then the episode is out of tokens)."""
-    tok, r, state = engine.tokenizer, live.rollout, live.state
+def _append_generation(engine: Engine, live: _Live, gen: Any) -> str:
+    """Append a turn's generated tokens to the rollout; return the text the environment gets."""
+    r = live.rollout
     r.turn_spans.append((len(r.token_ids), len(r.token_ids) + len(gen.token_ids)))
     r.token_ids += gen.token_ids
     r.loss_mask += [1] * len(gen.token_ids)
     r.logprobs += list(gen.logprobs)
     content_ids = gen.token_ids[:-1] if gen.finish_reason == "stop" else gen.token_ids
-    content = tok.decode(content_ids, skip_special_tokens=False)
+    return engine.tokenizer.decode(content_ids, skip_special_tokens=False)
+
+
+def _step_env(skill: Skill, live: _Live, content: str) -> list[Message]:
+    """Hand the turn to the environment (timed); its observations come back."""
     t0 = time.monotonic()
-    observations = skill.env.step(state, content)
-    r.env_seconds += time.monotonic() - t0
+    try:
+        return skill.env.step(live.state, content)
+    except Exception as e:
+        _broken(live, e)
+        return []
+    finally:
+        live.rollout.env_seconds += time.monotonic() - t0
+
+
+def _append_observations(skill: Skill, engine: Engine, live: _Live, gen: Any, observations: list[Message],
+                         budget: int) -> None:
+    """Append the environment's observations as tokens (unless they leave no room to generate within
+    `budget`: then the episode is out of tokens)."""
+    tok, r, state = engine.tokenizer, live.rollout, live.state
     if state.done:
         return
     generated = live.text + tok.decode(gen.token_ids, skip_special_tokens=False)
@@ -114,6 +130,12 @@ def _take_turn(skill: Skill, engine: Engine, live: _Live, gen: Any, budget: int)
     live.text = after
 
 
+def _broken(live: _Live, e: Exception) -> None:
+    """Rendering or decoding broke: infrastructure, not the model (env_error)."""
+    log.warning("rollout error in %s: %s", live.state.task.id, e)
+    live.state.finish("env_error", "env_error", "".join(traceback.format_exception_only(type(e), e)).strip())
+
+
 def run_episodes(engine: Engine, skill: Skill, tasks: Sequence[Task], seeds: Sequence[int] | int = 0, *,
                  temperature: float = 1.0, max_new_tokens: int = 64, max_tokens: int = 512,
                  sample_seed: int | None = None, on_done: Callable[[Rollout], None] | None = None) -> list[Rollout]:
@@ -128,43 +150,64 @@ def run_episodes(engine: Engine, skill: Skill, tasks: Sequence[Task], seeds: Seq
     budget = min(max_tokens, engine.max_context)
     lives = [_start(skill, engine, t, s) for t, s in zip(tasks, seed_list)]
     done: list[Rollout | None] = [None] * len(lives)
+    # Environments that wait on something (a sandbox, a remote tool) say how many episodes may step, and be
+    # graded, at once; the rest run one after another. Results stay in task order either way.
+    workers = max(1, min(skill.env.concurrency, len(lives)))
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="episode-env") if workers > 1 else None
+
+    def each(fn: Callable[[int], Any], indices: list[int]) -> list[Any]:
+        return list(pool.map(fn, indices)) if pool is not None and len(indices) > 1 else [fn(i) for i in indices]
 
     def finish(i: int) -> None:
         live = lives[i]
         live.rollout.episode = skill.grade(live.state)
         done[i] = live.rollout
-        if on_done is not None:
-            on_done(live.rollout)
 
-    turn = 0
-    while True:
-        active = [i for i, live in enumerate(lives) if done[i] is None and not live.state.done]
-        for i in [i for i, live in enumerate(lives) if done[i] is None and live.state.done]:
-            finish(i)
-        if not active:
-            break
-        room = {i: min(max_new_tokens, budget - len(lives[i].rollout.token_ids)) for i in active}
-        for i in [i for i in active if room[i] <= 0]:
-            skill.env.stop(lives[i].state, "max_tokens")
-        active = [i for i in active if room[i] > 0]
-        if not active:
-            continue
-        # one batch per turn; rows that have less room left than the others stop early (length).
-        longest = max(len(lives[i].rollout.token_ids) for i in active)
-        step_new = min(max(room[i] for i in active), engine.max_context - longest)
-        t0 = time.monotonic()
-        gens = engine.generate([lives[i].rollout.token_ids for i in active], step_new, temperature,
-                               seed=None if sample_seed is None else sample_seed * 1000 + turn)
-        elapsed = time.monotonic() - t0
-        for i, gen in zip(active, gens):
-            live = lives[i]
-            if len(gen.token_ids) > room[i]:
-                gen.token_ids, gen.logprobs, gen.finish_reason = gen.token_ids[:room[i]], gen.logprobs[:room[i]], "length"
-            live.rollout.gen_seconds += elapsed
-            try:
-                _take_turn(skill, engine, live, gen, budget)
-            except Exception as e:  # rendering or decoding broke: infrastructure, not the model
-                log.warning("rollout error in %s: %s", live.state.task.id, e)
-                live.state.finish("env_error", "env_error", "".join(traceback.format_exception_only(type(e), e)).strip())
-        turn += 1
+    def finish_all(indices: list[int]) -> None:
+        each(finish, indices)
+        if on_done is not None:
+            for i in indices:
+                on_done(done[i])  # type: ignore[arg-type]
+
+    try:
+        turn = 0
+        while True:
+            active = [i for i, live in enumerate(lives) if done[i] is None and not live.state.done]
+            finish_all([i for i, live in enumerate(lives) if done[i] is None and live.state.done])
+            if not active:
+                break
+            room = {i: min(max_new_tokens, budget - len(lives[i].rollout.token_ids)) for i in active}
+            for i in [i for i in active if room[i] <= 0]:
+                skill.env.stop(lives[i].state, "max_tokens")
+            active = [i for i in active if room[i] > 0]
+            if not active:
+                continue
+            # one batch per turn; rows that have less room left than the others stop early (length).
+            longest = max(len(lives[i].rollout.token_ids) for i in active)
+            step_new = min(max(room[i] for i in active), engine.max_context - longest)
+            t0 = time.monotonic()
+            gens = dict(zip(active, engine.generate([lives[i].rollout.token_ids for i in active], step_new, temperature,
+                                                    seed=None if sample_seed is None else sample_seed * 1000 + turn)))
+            elapsed = time.monotonic() - t0
+            contents: dict[int, str] = {}
+            for i in active:
+                gen, live = gens[i], lives[i]
+                if len(gen.token_ids) > room[i]:
+                    gen.token_ids, gen.logprobs, gen.finish_reason = gen.token_ids[:room[i]], gen.logprobs[:room[i]], "length"
+                live.rollout.gen_seconds += elapsed
+                try:
+                    contents[i] = _append_generation(engine, live, gen)
+                except Exception as e:
+                    _broken(live, e)
+            stepped = list(contents)
+            observations = dict(zip(stepped, each(lambda i: _step_env(skill, lives[i], contents[i]), stepped)))
+            for i in stepped:
+                try:
+                    _append_observations(skill, engine, lives[i], gens[i], observations[i], budget)
+                except Exception as e:
+                    _broken(lives[i], e)
+            turn += 1
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
     return [r for r in done if r is not None]

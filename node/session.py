@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from skillswarm.node.store import CheckpointStore
-from skillswarm.protocol.blobs import BlobStore
+from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.protocol.errors import NetworkError
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.netspec import load_spec
@@ -24,7 +24,7 @@ class NodeSession:
 
     spec: NetworkSpec
     identity: Identity
-    dht: object  # skillswarm.protocol.dht.SwarmDHT (imported lazily: it pulls in hivemind)
+    dht: object  # skillswarm.protocol.transport.dht.SwarmDHT (imported lazily: it pulls in hivemind)
     store: CheckpointStore
     blobs: BlobStore
 
@@ -46,8 +46,8 @@ def open_session(network_file: Path, *, key: Path | None = None, peers: Sequence
     """Load the spec and key, start the DHT peer, serve the blob store; shut everything down on exit.
     `cache` keeps blobs and checkpoints somewhere other than the user's cache dir; `max_blob_bytes` caps the
     blob store (downloads that would pass it are refused)."""
-    from skillswarm.protocol.dht import SwarmDHT
-    from skillswarm.protocol.validation import StorePolicy
+    from skillswarm.protocol.transport.dht import SwarmDHT
+    from skillswarm.protocol.transport.validation import StorePolicy
 
     spec = load_spec(network_file)
     identity = Identity.generate() if ephemeral_key else Identity.load_or_create(key)

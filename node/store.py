@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from skillswarm.protocol.atomic import atomic_write_bytes
-from skillswarm.protocol.blobs import BlobStore
+from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.protocol.codec import decode_record, encode_record
 from skillswarm.protocol.errors import HashMismatchError, RecordError
 from skillswarm.protocol.hashing import sha256_file, weights_hash

@@ -19,7 +19,7 @@ from typing import Any, Callable
 from skillswarm.node.pull import pull, share, wait_for_checkpoint
 from skillswarm.node.store import CheckpointStore
 from skillswarm.protocol.atomic import atomic_write_text
-from skillswarm.protocol.blobs import BlobStore
+from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.protocol.codec import decode_record, encode_record
 from skillswarm.protocol.errors import RecordError, SpecError
 from skillswarm.protocol.hardware import probe_hardware

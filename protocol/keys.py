@@ -2,7 +2,7 @@
 
 Every key is a string under `skillswarm/v{protocol}/{network}/`, and every value sits under an *owner
 subkey* that starts with its author's Ed25519 public key (hex), so the validator every peer runs
-(`skillswarm.protocol.validation`) lets only that author write it:
+(`skillswarm.protocol.transport.validation`) lets only that author write it:
 
     key                                        subkey                 value
     skillswarm/v1/{net}/peers                  {author}               PeerRecord (one per node)

@@ -60,12 +60,17 @@ class EpisodeState:
 
 
 class Environment:
-    """A chat environment with optional tools. With no tools and `max_turns=1` it is single-turn."""
+    """A chat environment with optional tools. With no tools and `max_turns=1` it is single-turn.
+
+    `concurrency`: how many episodes may step (and be graded) at once in a rollout batch. Leave it at 1
+    unless the tools and the rubric are thread-safe and spend their time waiting (a sandbox subprocess, a
+    remote call): then a batch's tool calls overlap instead of queueing."""
 
     def __init__(self, system_prompt: str | None = None, tools: Sequence[Tool] = (), max_turns: int = 1,
-                 max_seconds: float = 120.0, max_calls_per_turn: int = 4) -> None:
-        if max_turns < 1 or max_seconds <= 0 or max_calls_per_turn < 1:
-            raise ValueError("max_turns and max_calls_per_turn must be >= 1 and max_seconds > 0")
+                 max_seconds: float = 120.0, max_calls_per_turn: int = 4, concurrency: int = 1) -> None:
+        if max_turns < 1 or max_seconds <= 0 or max_calls_per_turn < 1 or concurrency < 1:
+            raise ValueError("max_turns, max_calls_per_turn and concurrency must be >= 1 and max_seconds > 0")
+        self.concurrency = concurrency
         self.system_prompt = system_prompt
         self.tools = {t.name: t for t in tools}
         self.max_turns = max_turns

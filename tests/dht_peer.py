@@ -15,7 +15,7 @@ import time
 
 import psutil
 
-from skillswarm.protocol.dht import SwarmDHT
+from skillswarm.protocol.transport.dht import SwarmDHT
 from skillswarm.protocol.identity import Identity
 
 

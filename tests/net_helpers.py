@@ -10,7 +10,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 
 from skillswarm.protocol.identity import Identity
-from skillswarm.protocol.validation import OwnerSignatureValidator
+from skillswarm.protocol.transport.validation import OwnerSignatureValidator
 
 
 def still_running(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:

@@ -13,8 +13,8 @@ from typing import Iterator
 import psutil
 import pytest
 
-from skillswarm.protocol.blobs import BlobStore
-from skillswarm.protocol.dht import SwarmDHT
+from skillswarm.protocol.transport.blobs import BlobStore
+from skillswarm.protocol.transport.dht import SwarmDHT
 from skillswarm.protocol.errors import BlobError
 from skillswarm.protocol.hashing import sha256_file
 from skillswarm.protocol.identity import Identity

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from skillswarm.protocol.blobs import BlobStore, check_sha256, default_blob_root
+from skillswarm.protocol.transport.blobs import BlobStore, check_sha256, default_blob_root
 from skillswarm.protocol.errors import BlobError
 
 

@@ -14,12 +14,12 @@ from safetensors.torch import load_file, save_file
 
 from skillswarm.merge import compute_delta
 from skillswarm.node.store import CheckpointStore
-from skillswarm.protocol.blobs import BlobStore
-from skillswarm.protocol.dht import SwarmDHT
+from skillswarm.protocol.transport.blobs import BlobStore
+from skillswarm.protocol.transport.dht import SwarmDHT
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.netspec import load_spec
 from skillswarm.protocol.records import DeltaManifest
-from skillswarm.protocol.validation import StorePolicy
+from skillswarm.protocol.transport.validation import StorePolicy
 from tests.conftest import ROOT, SKILLSWARM, run_cli
 from tests.net_helpers import wait_for
 

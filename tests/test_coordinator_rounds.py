@@ -17,13 +17,13 @@ from safetensors.torch import load_file
 from skillswarm.merge.deltas import encode_delta
 from skillswarm.node.coordinator import Coordinator
 from skillswarm.node.store import CheckpointStore
-from skillswarm.protocol.blobs import BlobStore
-from skillswarm.protocol.dht import SwarmDHT
+from skillswarm.protocol.transport.blobs import BlobStore
+from skillswarm.protocol.transport.dht import SwarmDHT
 from skillswarm.protocol.hashing import weights_hash
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.netspec import save_spec
 from skillswarm.protocol.records import DeltaManifest, NetworkSpec, RoundPolicy, ScreenPolicy
-from skillswarm.protocol.validation import StorePolicy
+from skillswarm.protocol.transport.validation import StorePolicy
 from tests.conftest import run_cli
 from tests.net_helpers import wait_for
 

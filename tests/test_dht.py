@@ -15,7 +15,7 @@ import msgspec
 import psutil
 import pytest
 
-from skillswarm.protocol.dht import SwarmDHT
+from skillswarm.protocol.transport.dht import SwarmDHT
 from skillswarm.protocol.errors import NetworkError, RecordError
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.records import (
@@ -150,7 +150,7 @@ def test_a_dead_dht_process_is_reported_and_takes_p2pd_with_it() -> None:
 
 OWNER = """
 import json, sys, time, psutil
-from skillswarm.protocol.dht import SwarmDHT
+from skillswarm.protocol.transport.dht import SwarmDHT
 from skillswarm.protocol.identity import Identity
 dht = SwarmDHT("typed", Identity.generate()).start()
 kids = psutil.Process().children(recursive=True)

@@ -16,19 +16,20 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DHTLocalStorage
 from hivemind.p2p import PeerID
 
-from skillswarm.protocol import keys, storage_caps
-from skillswarm.protocol.blobs import BlobStore
+from skillswarm.protocol import keys
+from skillswarm.protocol.transport import storage_caps
+from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.protocol.codec import encode_record
-from skillswarm.protocol.dht import SwarmDHT
-from skillswarm.protocol.dht_process import store_values
+from skillswarm.protocol.transport.dht import SwarmDHT
+from skillswarm.protocol.transport.dht_process import store_values
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.records import (
     CheckpointManifest, DeltaManifest, FileEntry, NetworkSpec, PeerRecord, Record, SkillStats, TrainStats, TrustPolicy,
 )
-from skillswarm.protocol.storage_caps import (
+from skillswarm.protocol.transport.storage_caps import (
     MAX_BYTES_PER_AUTHOR, MAX_SUBKEYS_PER_KEY, MAX_VALUES_PER_AUTHOR, CappedStorage, install, newest_within_caps,
 )
-from skillswarm.protocol.validation import StorePolicy
+from skillswarm.protocol.transport.validation import StorePolicy
 from tests.net_helpers import signed_dht_record
 
 NET = "capped"

@@ -27,7 +27,7 @@ from hivemind.p2p import PeerID
 
 from skillswarm.protocol import keys
 from skillswarm.protocol.codec import decode_record, encode_record
-from skillswarm.protocol.dht_process import NodeProcess
+from skillswarm.protocol.transport.dht_process import NodeProcess
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.netspec import save_spec
 from skillswarm.protocol.records import NetworkSpec, PeerRecord

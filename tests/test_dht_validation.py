@@ -17,7 +17,7 @@ from skillswarm.protocol.records import (
     CheckpointManifest, DeltaManifest, FileEntry, NetworkSpec, PeerRecord, ProviderRecord, Record, SkillStats,
     TrainStats, TrustPolicy,
 )
-from skillswarm.protocol.validation import MAX_TTL, OwnerSignatureValidator, StorePolicy
+from skillswarm.protocol.transport.validation import MAX_TTL, OwnerSignatureValidator, StorePolicy
 from tests.net_helpers import signed_dht_record
 
 NET = "demo"

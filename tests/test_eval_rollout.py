@@ -3,7 +3,10 @@ sampling, weight updates, token-level episodes (masks, alignment), budgets, and 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -102,6 +105,40 @@ def test_rollouts_are_token_level_episodes(engine: HFEngine) -> None:
     for i, (t, m) in enumerate(zip(r.token_ids, r.loss_mask)):
         if m:
             assert r.logprobs[i] == pytest.approx(ref[i - 1, t].item(), abs=1e-4)
+
+
+class _Overlapping(Environment):
+    """calc's environment, counting how many episodes are inside a step at once (each step lingers a little)."""
+
+    def __init__(self, base: Environment, concurrency: int) -> None:
+        super().__init__(base.system_prompt, list(base.tools.values()), base.max_turns, concurrency=concurrency)
+        self.inside, self.most, self._lock = 0, 0, threading.Lock()
+
+    def env_response(self, state, turn):  # noqa: ANN001, ANN201
+        with self._lock:
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+        time.sleep(0.02)
+        try:
+            return super().env_response(state, turn)
+        finally:
+            with self._lock:
+                self.inside -= 1
+
+
+def test_concurrent_environment_steps_give_the_same_rollouts_in_order(engine: HFEngine) -> None:
+    calc = get_skill("calc")
+    tasks = calc.tasks.eval_tasks(12)
+    one, four = _Overlapping(calc.env, 1), _Overlapping(calc.env, 4)
+    runs = [run_episodes(engine, dataclasses.replace(calc, env=env), tasks, 0, temperature=1.0, max_new_tokens=24,
+                         sample_seed=3) for env in (one, four)]
+    assert one.most == 1 and four.most > 1  # steps overlapped only where the environment allows it
+    for a, b in zip(*runs):
+        assert (a.episode.task_id, a.token_ids, a.loss_mask, a.logprobs, a.turn_spans) == \
+            (b.episode.task_id, b.token_ids, b.loss_mask, b.logprobs, b.turn_spans)
+        assert (a.episode.reward, a.episode.outcome, a.episode.turn_rewards) == \
+            (b.episode.reward, b.episode.outcome, b.episode.turn_rewards)
+    assert [r.episode.task_id for r in runs[1]] == [t.id for t in tasks]
 
 
 def test_running_out_of_tokens_is_a_timeout_graded_zero(engine: HFEngine) -> None:

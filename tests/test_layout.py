@@ -79,7 +79,7 @@ def _imports(path: Path) -> set[str]:
     ("protocol", ("skillswarm.node", "skillswarm.merge", "skillswarm.skills")),
     ("skills", ("skillswarm.node", "skillswarm.merge")),
     ("merge", ("skillswarm.node", "skillswarm.skills", "hivemind", "socket", "http", "urllib", "requests",
-               "skillswarm.protocol.dht", "skillswarm.protocol.blobs")),
+               "skillswarm.protocol.transport.dht", "skillswarm.protocol.transport.blobs")),
 ])
 def test_dependencies_point_one_way(pkg: str, forbidden: tuple[str, ...]) -> None:
     bad = [

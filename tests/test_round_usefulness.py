@@ -12,7 +12,7 @@ import torch
 from skillswarm.merge.deltas import encode_delta, read_delta
 from skillswarm.node.rounds import Candidate, RoundContext
 from skillswarm.node.rounds.usefulness import Usefulness
-from skillswarm.protocol.blobs import BlobStore
+from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.protocol.hashing import sha256_file, weights_hash
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, FileEntry, NetworkSpec, ScreenPolicy

@@ -17,7 +17,7 @@ from skillswarm.node.rounds.inspection import Consensus, Inspect
 from skillswarm.node.rounds.reputation import Reputation, reputations
 from skillswarm.node.rounds.strategy import Weigh
 from skillswarm.node.rounds.usefulness import Paired, sign_test_p
-from skillswarm.protocol.blobs import BlobStore
+from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.protocol.hashing import weights_hash
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.records import (

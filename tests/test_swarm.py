@@ -80,7 +80,7 @@ def test_one_round_end_to_end(nano_model: Path, tmp_path: Path) -> None:
         join = ["--network", str(spec_file), "--peers", maddr, "--host", "127.0.0.1"]
 
         # A rogue peer publishes a newer "checkpoint" signed by a key the network does not trust.
-        from skillswarm.protocol.dht import SwarmDHT
+        from skillswarm.protocol.transport.dht import SwarmDHT
 
         rogue = SwarmDHT("e2e", Identity.generate(), initial_peers=[maddr]).start()
         fake = CheckpointManifest(network="e2e", version=7, parent_version=6, parent_hash="0" * 64, weights_hash="1" * 64,

@@ -13,13 +13,14 @@ from typing import Iterator
 
 import pytest
 
-from skillswarm.protocol import blobs
-from skillswarm.protocol.blobs import BlobStore
-from skillswarm.protocol.dht import SwarmDHT
+from skillswarm.protocol.transport import blobs
+from skillswarm.protocol.transport.blobs import BlobStore
+from skillswarm.protocol.transport.dht import SwarmDHT
 from skillswarm.protocol.errors import BlobError
 from skillswarm.protocol.hashing import sha256_file
 from skillswarm.protocol.identity import Identity
-from skillswarm.protocol.transfer import GRACE_S, MIN_RATE, deadline_for, provider_stats
+from skillswarm.protocol.transport.provider import provider_stats
+from skillswarm.protocol.transport.wire import GRACE_S, MIN_RATE, deadline_for
 
 NET = "limits"
 MB = 1 << 20

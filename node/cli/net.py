@@ -150,8 +150,8 @@ def _short(peer_id: str) -> str:
 def _observer(spec: NetworkSpec, peers: list[str] | None):
     """A short-lived client-mode peer with a throwaway key (never the node's own: two peers with one
     identity on one network confuse libp2p), which accepts only what the network admits."""
-    from skillswarm.protocol.dht import SwarmDHT
-    from skillswarm.protocol.validation import StorePolicy
+    from skillswarm.protocol.transport.dht import SwarmDHT
+    from skillswarm.protocol.transport.validation import StorePolicy
 
     return SwarmDHT(spec.network, Identity.generate(), host="0.0.0.0", initial_peers=_join_peers(spec, peers),
                     client_mode=True, policy=StorePolicy.from_spec(spec))
@@ -175,9 +175,9 @@ def serve(
     import signal
     import threading
 
-    from skillswarm.protocol.dht import SwarmDHT
+    from skillswarm.protocol.transport.dht import SwarmDHT
     from skillswarm.protocol.hardware import probe_hardware
-    from skillswarm.protocol.validation import StorePolicy
+    from skillswarm.protocol.transport.validation import StorePolicy
 
     spec = load_spec(network) if network else None
     stop = threading.Event()

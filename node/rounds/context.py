@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from skillswarm.protocol.blobs import BlobStore
+from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, NetworkSpec, Rejection
 
 log = logging.getLogger(__name__)

@@ -32,6 +32,10 @@ from skillswarm.skills.toolcall import format_answer, format_call
 
 SYSTEM = f"Run {format_call('python', 'code')}. Reply {format_answer('f=lambda a:...')}."
 N_TESTS = 5
+# Sandbox runs of a rollout batch that overlap (the rubric and the tool are thread-safe). A run is mostly
+# process start-up (bubblewrap, the interpreter): CPU-bound, so a few at once fill the cores that
+# generation leaves idle between turns, and more only queue.
+SANDBOX_CONCURRENCY = 4
 PROBES = {"int": "7", "list": "[3,12]", "str": "'abc'"}  # the example the perfect player prints f on (source text)
 LETTERS = string.ascii_lowercase
 K99, K999 = range(1, 100), range(1, 1000)
@@ -170,7 +174,8 @@ def make_skill() -> Skill:
 
     return Skill(
         name="code", version="1", description="write a one-line Python function, graded by hidden tests in the sandbox (multi-turn, python tool)",
-        tasks=tasks, env=Environment(system_prompt=SYSTEM, tools=[PythonSandbox(memo=4096)], max_turns=3),
+        tasks=tasks, env=Environment(system_prompt=SYSTEM, tools=[PythonSandbox(memo=4096)], max_turns=3,
+                        concurrency=SANDBOX_CONCURRENCY),
         rubric=Rubric([RewardFunc(tests_passed, 1.0), RewardFunc(good_call, 0.1, per_turn=True),
                        RewardFunc(tool_calls_made, 0.0)]),
         reference=reference,

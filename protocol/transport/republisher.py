@@ -12,7 +12,7 @@ from skillswarm.protocol.errors import SkillswarmError
 from skillswarm.protocol.records import Record
 
 if TYPE_CHECKING:
-    from skillswarm.protocol.dht import SwarmDHT
+    from skillswarm.protocol.transport.dht import SwarmDHT
 
 logger = logging.getLogger(__name__)
 

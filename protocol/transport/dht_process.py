@@ -110,14 +110,14 @@ async def guarded(dht: hivemind.DHT, node: hivemind.DHTNode, fn: Coroutine, kwar
 
 async def install_store_caps(_dht: hivemind.DHT, node: hivemind.DHTNode) -> None:
     """Cap what this peer stores per author, per key and in all (see `storage_caps`)."""
-    from skillswarm.protocol.storage_caps import install
+    from skillswarm.protocol.transport.storage_caps import install
 
     install(node)
 
 
 async def storage_usage(_dht: hivemind.DHT, node: hivemind.DHTNode) -> dict[str, Any]:
     """What this peer's storage and cache hold, as the caps count it (`Ledger.usage`)."""
-    from skillswarm.protocol.storage_caps import CappedStorage
+    from skillswarm.protocol.transport.storage_caps import CappedStorage
 
     out: dict[str, Any] = {}
     for name in ("storage", "cache"):
@@ -141,7 +141,7 @@ async def get_values(
 ) -> dict[str, dict[str, tuple[bytes, float]]]:
     """For each key, every validated subkey -> (value, expiration) found across the DHT (latest: ask all replicas),
     at most each author's per-kind cap of them (the newest)."""
-    from skillswarm.protocol.storage_caps import newest_within_caps
+    from skillswarm.protocol.transport.storage_caps import newest_within_caps
 
     found = await node.get_many(keys, sufficient_expiration_time=float("inf") if latest else None)
     out: dict[str, dict[str, tuple[bytes, float]]] = {}

@@ -1,11 +1,11 @@
-"""Blob downloads: the fetching half of the transfer protocol (`transfer` holds the wire format, the
-limits and the provider).
+"""Blob downloads: the fetching half of blob transfer (`wire` holds the wire format and the limits,
+`provider` the serving half).
 
 Inside the DHT's background process, `fetch_blob` downloads one blob: it appends to a partial file while
 hashing, resumes from the bytes it has when a stream breaks (from the next provider, or the same one on a
 later call), and renames the file to its final name only when the sha256 matches. A provider whose bytes
 do not match is rejected; so is one announcing another size, or over `max_size`, and one dropped twice
-for slowness. Every fetch has a deadline (`transfer.deadline_for` its size unless given), enforced in the
+for slowness. Every fetch has a deadline (`wire.deadline_for` its size unless given), enforced in the
 thread that moves its bytes: a stream that averages under the minimum rate once the grace period is over
 is dropped (its bytes kept) for the next provider, and when the deadline passes, or `cancel_fetches`
 stops it, the fetch ends with a `BlobError` and keeps its partial file for a later resume. Room in the
@@ -31,11 +31,11 @@ import msgspec
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from skillswarm.protocol.blobs import BlobStore, PartialDownload, check_sha256
+from skillswarm.protocol.transport.blobs import BlobStore, PartialDownload, check_sha256
 from skillswarm.protocol.errors import BlobError
-from skillswarm.protocol.streams import open_stream, recv_exact
-from skillswarm.protocol.transfer import (
-    CHUNK, GRACE_S, HANDLER, MIN_RATE, BlobHeader, BlobRequest, FetchReport, Source, _frame, _frame_length, deadline_for,
+from skillswarm.protocol.transport.streams import open_stream, recv_exact
+from skillswarm.protocol.transport.wire import (
+    CHUNK, GRACE_S, HANDLER, MIN_RATE, BlobHeader, BlobRequest, FetchReport, Source, frame, frame_length, deadline_for,
 )
 
 logger = logging.getLogger(__name__)
@@ -186,10 +186,10 @@ def _receive(control_path: str, src: Source, sha: str, part: PartialDownload, si
     try:
         clock.watch(sock)
         sock.settimeout(stall_s)
-        sock.sendall(_frame(BlobRequest(sha=sha, offset=part.offset)))
+        sock.sendall(frame(BlobRequest(sha=sha, offset=part.offset)))
         header_by = min(opened + clock.grace_s, clock.deadline)  # a header, too, must not trickle
         try:
-            header = msgspec.msgpack.decode(recv_exact(sock, _frame_length(recv_exact(sock, 4, header_by)), header_by),
+            header = msgspec.msgpack.decode(recv_exact(sock, frame_length(recv_exact(sock, 4, header_by)), header_by),
                                             type=BlobHeader)
         except TimeoutError:
             clock.check()

@@ -18,15 +18,15 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from skillswarm.protocol.blobs import BlobStore, check_sha256
+from skillswarm.protocol.transport.blobs import BlobStore, check_sha256
 from skillswarm.protocol.errors import BlobError, NetworkError
-from skillswarm.protocol.fetcher import cancel_fetches, fetch_blob
+from skillswarm.protocol.transport.fetcher import cancel_fetches, fetch_blob
 from skillswarm.protocol.progress import PartialProgress
 from skillswarm.protocol.records import ProviderRecord
-from skillswarm.protocol.transfer import GRACE_S, MIN_RATE, FetchReport, Source, deadline_for
+from skillswarm.protocol.transport.wire import GRACE_S, MIN_RATE, FetchReport, Source, deadline_for
 
 if TYPE_CHECKING:
-    from skillswarm.protocol.dht import SwarmDHT
+    from skillswarm.protocol.transport.dht import SwarmDHT
 
 logger = logging.getLogger(__name__)
 

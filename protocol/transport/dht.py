@@ -24,7 +24,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar
 
-from skillswarm.protocol.blobs import BlobStore, check_sha256
+from skillswarm.protocol.transport.blobs import BlobStore, check_sha256
 from skillswarm.protocol.codec import decode_record, encode_record
 from skillswarm.protocol.errors import BlobError, NetworkError, RecordError
 from skillswarm.protocol.identity import Identity, verify_record
@@ -34,11 +34,11 @@ from skillswarm.protocol.keys import (
 from skillswarm.protocol.records import (
     CheckpointManifest, DeltaManifest, Hardware, PeerRecord, ProviderRecord, Record, SkillStats, kind_of,
 )
-from skillswarm.protocol.republisher import Republisher
+from skillswarm.protocol.transport.republisher import Republisher
 from skillswarm.protocol.version import __version__
 
 if TYPE_CHECKING:
-    from skillswarm.protocol.validation import StorePolicy
+    from skillswarm.protocol.transport.validation import StorePolicy
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=Record)
@@ -115,8 +115,8 @@ class SwarmDHT:
         """Start the DHT process and p2pd and join the network; raises `NetworkError` saying why it could not."""
         if self._node is not None:
             return self
-        from skillswarm.protocol.dht_process import NodeProcess, install_store_caps, p2p_identity_file
-        from skillswarm.protocol.validation import OwnerSignatureValidator
+        from skillswarm.protocol.transport.dht_process import NodeProcess, install_store_caps, p2p_identity_file
+        from skillswarm.protocol.transport.validation import OwnerSignatureValidator
 
         with p2p_identity_file(self.identity) as key_file:
             node = NodeProcess(
@@ -191,7 +191,7 @@ class SwarmDHT:
         return self._wait(self._submit(fn, kwargs), timeout)
 
     def _submit(self, fn: Callable[..., Any], kwargs: dict) -> concurrent.futures.Future:
-        from skillswarm.protocol.dht_process import guarded
+        from skillswarm.protocol.transport.dht_process import guarded
 
         if self._node is None:
             raise NetworkError("the DHT peer is not running; call start() first")
@@ -219,7 +219,7 @@ class SwarmDHT:
     @property
     def peer_id(self) -> str:
         """This node's libp2p peer id (equal to `identity.peer_id`)."""
-        from skillswarm.protocol.dht_process import peer_id
+        from skillswarm.protocol.transport.dht_process import peer_id
 
         if self._peer_id is None:
             self._peer_id = self.run_coroutine(peer_id)
@@ -227,20 +227,20 @@ class SwarmDHT:
 
     def visible_maddrs(self, latest: bool = False) -> list[str]:
         """Multiaddrs others can use to reach this peer (give them as `--peers`)."""
-        from skillswarm.protocol.dht_process import visible_maddrs
+        from skillswarm.protocol.transport.dht_process import visible_maddrs
 
         return self.run_coroutine(visible_maddrs, latest=latest)
 
     def connected_peers(self) -> list[str]:
         """Peer ids of the libp2p connections this node holds right now."""
-        from skillswarm.protocol.dht_process import connected_peers
+        from skillswarm.protocol.transport.dht_process import connected_peers
 
         return self.run_coroutine(connected_peers)
 
     def storage_usage(self) -> dict[str, Any]:
         """What this peer stores for others, as the storage caps count it: for its `storage` and `cache`,
         values and bytes in all, per author (bytes, values per kind) and per key id (hex)."""
-        from skillswarm.protocol.dht_process import storage_usage
+        from skillswarm.protocol.transport.dht_process import storage_usage
 
         return self.run_coroutine(storage_usage)
 
@@ -248,8 +248,8 @@ class SwarmDHT:
     def put(self, record: Record, ttl: float, *, keep: bool = False) -> bool:
         """Sign (if unsigned) and store a record where its kind lives, expiring in `ttl` s. `keep=True`
         re-stores it in the background every ttl/3 until `forget(record)`. True if a peer accepted it."""
-        from skillswarm.protocol.dht_process import store_values
-        from skillswarm.protocol.validation import MAX_TTL
+        from skillswarm.protocol.transport.dht_process import store_values
+        from skillswarm.protocol.transport.validation import MAX_TTL
 
         record = self._own(record)
         kind = kind_of(type(record))
@@ -315,7 +315,7 @@ class SwarmDHT:
 
     def _records(self, keys: Sequence[str], kind: type[R], trusted: Iterable[str] | None = None) -> list[R]:
         """Every good record of `kind` under `keys`; anything malformed, forged or misplaced is dropped."""
-        from skillswarm.protocol.dht_process import get_values
+        from skillswarm.protocol.transport.dht_process import get_values
 
         trusted = None if trusted is None else set(trusted)
         out: list[R] = []
@@ -378,7 +378,7 @@ class SwarmDHT:
                     max_upload_mb_s: float | None = None) -> None:
         """Serve the blobs of `store` (default: the cache) to peers: at most `max_concurrent` uploads, and
         optionally at most `max_upload_mb_s` MB/s each."""
-        from skillswarm.protocol.transfer import start_provider
+        from skillswarm.protocol.transport.provider import start_provider
 
         store = store or BlobStore()
         rate = max_upload_mb_s * 1e6 if max_upload_mb_s else None
@@ -420,9 +420,9 @@ class SwarmDHT:
         """Download blob `sha` (providers: peer ids or ProviderRecords; default: looked up in the DHT),
         verifying its sha256 before it gets its final name, resuming after broken streams, moving on from
         providers that fail, lie or trickle, refusing more than `max_size` bytes or more than `store` has room
-        for. It ends by `deadline_s` (default: `grace_s` + size / `min_rate`, from `transfer.GRACE_S` and
-        `transfer.MIN_RATE`; `max_size` stands for an unknown size). Returns a `FetchReport`."""
-        from skillswarm.protocol.downloads import fetch_one
+        for. It ends by `deadline_s` (default: `grace_s` + size / `min_rate`, from `wire.GRACE_S` and
+        `wire.MIN_RATE`; `max_size` stands for an unknown size). Returns a `FetchReport`."""
+        from skillswarm.protocol.transport.downloads import fetch_one
 
         return fetch_one(self, sha, size=size, max_size=max_size, store=store or BlobStore(), providers=providers,
                          progress=progress, stall_timeout=stall_timeout, min_rate=min_rate, deadline_s=deadline_s,
@@ -434,7 +434,7 @@ class SwarmDHT:
                    stall_timeout: float = 30.0) -> dict[str, Path | BlobError]:
         """Fetch (sha, size or None, max_size) items at most `max_parallel` at once, each under its own deadline
         and all within `budget_s` (what is not done by then is stopped); sha -> its Path or its BlobError."""
-        from skillswarm.protocol.downloads import fetch_many
+        from skillswarm.protocol.transport.downloads import fetch_many
 
         return fetch_many(self, items, budget_s=budget_s, store=store or BlobStore(), max_parallel=max_parallel,
                           progress=progress, min_rate=min_rate, grace_s=grace_s, stall_timeout=stall_timeout)

@@ -32,7 +32,7 @@ from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.utils.timed_storage import TimedStorage, ValueWithExpiration, get_dht_time
 
 from skillswarm.protocol.keys import subkey_owner
-from skillswarm.protocol.validation import SIGNATURE_BYTES
+from skillswarm.protocol.transport.validation import SIGNATURE_BYTES
 
 # ---- the caps (every peer applies the same) -------------------------------------------------------
 MAX_VALUES_PER_AUTHOR: dict[str, int] = {

@@ -1,0 +1,108 @@
+"""The serving half of blob transfer: a p2pd stream handler that sends byte ranges of a store's blobs.
+
+It serves only blobs of its store (an unknown or malformed sha is refused), at most `max_concurrent`
+uploads at once (more are told "busy"), optionally rate-limited. It runs inside the DHT's background
+process (`SwarmDHT.serve_blobs`), and the bytes move in worker threads over plain sockets (`streams`), so
+neither the caller's training loop nor the DHT's event loop waits on them. The wire format is in `wire`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import hivemind
+import msgspec
+
+from skillswarm.protocol.errors import BlobError
+from skillswarm.protocol.transport.blobs import BlobStore, check_sha256
+from skillswarm.protocol.transport.streams import send_all, send_file_range
+from skillswarm.protocol.transport.wire import CHUNK, HANDLER, BlobHeader, BlobRequest, frame, frame_length
+
+logger = logging.getLogger(__name__)
+
+class BlobProvider:
+    """Serves byte ranges of the blobs in one store; registered on p2pd by `start`."""
+
+    def __init__(self, root: Path | str, max_concurrent: int = 4, max_upload_bytes_s: float | None = None,
+                 stall_s: float = 30.0) -> None:
+        self.store = BlobStore(root)
+        self.max_concurrent = max_concurrent
+        self.rate = max_upload_bytes_s
+        self.stall_s = stall_s
+        self.active = 0
+        self.served_bytes = 0
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="blob-upload")
+
+    async def start(self, p2p: hivemind.P2P) -> None:
+        await p2p.add_binary_stream_handler(HANDLER, self.handle)
+
+    async def handle(self, _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One request: validate it, then send the header and the range from a worker thread."""
+        counted = False
+        try:
+            try:
+                n = frame_length(await asyncio.wait_for(reader.readexactly(4), self.stall_s))
+                req = msgspec.msgpack.decode(await asyncio.wait_for(reader.readexactly(n), self.stall_s), type=BlobRequest)
+                path = self.store.path(check_sha256(req.sha))
+                size = path.stat().st_size
+            except (FileNotFoundError, BlobError, ValueError, msgspec.MsgspecError) as e:
+                reason = "unknown blob" if isinstance(e, FileNotFoundError) else f"bad request: {e}"
+                writer.write(frame(BlobHeader(error=reason)))
+                await writer.drain()
+                return
+            if not 0 <= req.offset <= size:
+                writer.write(frame(BlobHeader(size=size, error=f"offset {req.offset} is outside the blob")))
+            elif self.active >= self.max_concurrent:
+                writer.write(frame(BlobHeader(size=size, error="busy")))
+            else:
+                self.active += 1
+                counted = True
+                writer.transport.pause_reading()  # from here on the worker thread owns the socket
+                fd = os.dup(writer.get_extra_info("socket").fileno())
+                try:
+                    sent = await asyncio.get_running_loop().run_in_executor(
+                        self._pool, self._send, fd, path, req.offset, size)
+                finally:
+                    os.close(fd)
+                self.served_bytes += sent
+            await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError, OSError) as e:
+            logger.debug("blob upload ended early: %s", e)
+        finally:
+            if counted:
+                self.active -= 1
+            with contextlib.suppress(Exception):
+                writer.close()
+
+    def _send(self, fd: int, path: Path, offset: int, size: int) -> int:
+        send_all(fd, frame(BlobHeader(size=size)), self.stall_s)
+        with open(path, "rb") as f:
+            return send_file_range(fd, f.fileno(), offset, size - offset, self.stall_s, self.rate, CHUNK)
+
+
+async def start_provider(
+    dht: hivemind.DHT, node: hivemind.DHTNode, root: str, max_concurrent: int, max_upload_bytes_s: float | None
+) -> bool:
+    """(In the DHT process) serve the store at `root`; a second call replaces the settings. True if new."""
+    provider = getattr(dht, "_skillswarm_provider", None)
+    if provider is not None:
+        provider.store = BlobStore(root)
+        provider.max_concurrent, provider.rate = max_concurrent, max_upload_bytes_s
+        return False
+    provider = BlobProvider(root, max_concurrent, max_upload_bytes_s)
+    await provider.start(node.p2p)
+    dht._skillswarm_provider = provider
+    return True
+
+
+async def provider_stats(dht: hivemind.DHT, _node: hivemind.DHTNode) -> dict[str, int]:
+    """(In the DHT process) uploads in flight and bytes served so far."""
+    provider = getattr(dht, "_skillswarm_provider", None)
+    return {"active": provider.active if provider else 0, "served_bytes": provider.served_bytes if provider else 0}
+
