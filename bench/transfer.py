@@ -1,22 +1,30 @@
-"""Blob transfer throughput on 127.0.0.1 between two processes, three ways, same bytes:
+"""Blob transfer throughput on 127.0.0.1, same bytes, several ways:
 
-1. project: `SwarmDHT.fetch` (request framing, sha256, writing to the store, verify + rename);
-2. bare:    a hivemind binary stream on the same two daemons whose receiver discards the bytes
-            (the transport's ceiling);
-3. tcp:     a plain TCP socket (no encryption, no multiplexing).
+1. project:      `SwarmDHT.fetch` from one provider (request framing, sha256, writing to the store, verify
+                 + rename); `pieces`: the same with the tree hash given, i.e. piece by piece (every piece
+                 verified, then the whole sha256), the way pulls of checkpoint files fetch;
+2. bare:         a hivemind binary stream on the same two daemons whose receiver discards the bytes
+                 (the transport's ceiling); `hashing bare`: the same stream whose receiver sha256-hashes
+                 and writes what it gets (then fsyncs): the ceiling of any fetch that verifies and stores;
+3. tcp:          a plain TCP socket (no encryption, no multiplexing);
+4. swarm:        the piece-by-piece fetch from three providers at once (three processes serving the same
+                 store), against the same fetch from one of them; once as fast as they go, once with every
+                 upload capped at --provider-mb-s, as at home, where a provider's uplink is the bottleneck.
 
-    .venv/bin/python bench/transfer.py [--size-mb 200 | --gb] [--repeat 3] [--json]
+    .venv/bin/python bench/transfer.py [--size-mb 200 | --gb] [--repeat 3] [--provider-mb-s 20] [--json]
 
 The ways run interleaved, `--repeat` times; the best run of each counts (the machine may be shared). CPU
-time per MB (median, every process of both sides: the two DHT processes, the two p2pds) is printed too: it
-depends far less on other load than MB/s does. So does the fetcher's own work alone (sha256, append,
-write-back, fsync; no network), its ceiling on this disk and CPU. Goal: project >= 0.8x bare.
+time per MB (median, every process of both sides: the DHT processes, the p2pds) is printed too: it depends
+far less on other load than MB/s does. So does the fetcher's own work alone (sha256, append, write-back,
+fsync; no network), its ceiling on this disk and CPU. Goals: project >= 0.8x bare, >= 0.9x hashing bare;
+three providers faster than one.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import socket
@@ -119,6 +127,31 @@ def sink_rate(n: int, root: str) -> float:
     return n / 1e6 / took
 
 
+def _hash_write(control_path: str, peer: str, n: int, path: str) -> None:
+    h = hashlib.sha256()
+    with open_stream(control_path, peer, BARE_HANDLER, 30.0) as sock, open(path, "wb", buffering=0) as f:
+        sock.sendall(n.to_bytes(8, "big"))
+        buf = bytearray(CHUNK)
+        view, got = memoryview(buf), 0
+        while got < n:
+            k = sock.recv_into(view)
+            if not k:
+                raise RuntimeError(f"bare stream ended after {got} of {n} bytes")
+            h.update(view[:k])
+            f.write(view[:k])
+            got += k
+        os.fsync(f.fileno())
+    os.unlink(path)
+
+
+async def hashing_receive(_dht: hivemind.DHT, node: hivemind.DHTNode, peer: str, n: int, path: str) -> float:
+    """Receive n bytes, sha256 them and write them to `path` (fsynced); return the seconds it took."""
+    start = time.perf_counter()
+    await asyncio.get_running_loop().run_in_executor(None, _hash_write, node.p2p.daemon_listen_maddr["unix"], peer,
+                                                     n, path)
+    return time.perf_counter() - start
+
+
 # ---- plain TCP ------------------------------------------------------------------------------------
 def _tcp_server(sock: socket.socket, n: int) -> None:
     block = bytes(CHUNK)
@@ -143,22 +176,59 @@ def tcp_receive(port: int, n: int) -> float:
     return time.perf_counter() - start
 
 
-# ---- the provider process -------------------------------------------------------------------------
-def serve(root: Path, n: int) -> None:
-    """Provider side: make the blob, serve it three ways, print where, wait for stdin to close."""
+# ---- the provider processes ------------------------------------------------------------------------
+def make_blob(root: Path, n: int) -> tuple[str, str]:
+    """A random blob of n bytes in the store at `root` and its piece list cached: (sha256, tree hash)."""
     store = BlobStore(root)
     with tempfile.NamedTemporaryFile(dir=root, delete=False) as f:
         for _ in range(0, n, CHUNK):
             f.write(os.urandom(min(CHUNK, n - f.tell())))
     sha = store.add_file(f.name, move=True)
+    return sha, store.tree(sha)
+
+
+def serve(root: Path, n: int, initial: list[str]) -> None:
+    """A provider: serve the store at `root` (bare stream and TCP too), print where, then obey stdin lines
+    ("rate X": cap each upload at X MB/s, 0 for none) until stdin closes."""
+    store = BlobStore(root)
     sock = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_tcp_server, args=(sock, n), daemon=True).start()
-    with SwarmDHT("bench", Identity.generate()) as dht:
-        dht.serve_blobs(store, max_concurrent=2)
+    with SwarmDHT("bench", Identity.generate(), initial_peers=initial) as dht:
+        dht.serve_blobs(store, max_concurrent=4)
         dht.run_coroutine(start_bare_sender)
-        print(json.dumps({"maddrs": dht.visible_maddrs(), "peer_id": dht.peer_id, "sha": sha,
+        print(json.dumps({"maddrs": dht.visible_maddrs(), "peer_id": dht.peer_id,
                           "tcp_port": sock.getsockname()[1]}), flush=True)
-        sys.stdin.read()
+        for line in sys.stdin:
+            if line.startswith("rate "):
+                dht.serve_blobs(store, max_concurrent=4, max_upload_mb_s=float(line.split()[1]) or None)
+                print("ok", flush=True)
+
+
+class Providers:
+    """Three provider processes serving one store."""
+
+    def __init__(self, root: Path, n: int) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.info: list[dict] = []
+        for _ in range(3):
+            initial = self.info[0]["maddrs"] if self.info else []
+            proc = subprocess.Popen([sys.executable, __file__, "--serve", str(root), "--size-mb", str(n >> 20),
+                                     *[a for m in initial for a in ("--peer", m)]],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            self.procs.append(proc)
+            self.info.append(json.loads(proc.stdout.readline()))
+
+    def rate(self, mb_s: float) -> None:
+        for proc in self.procs:
+            proc.stdin.write(f"rate {mb_s}\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline().strip() == "ok"
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.stdin.close()
+        for proc in self.procs:
+            proc.wait(30)
 
 
 def main() -> None:
@@ -166,72 +236,108 @@ def main() -> None:
     ap.add_argument("--size-mb", type=int, default=200, help="bytes to send, in MB (2**20)")
     ap.add_argument("--gb", action="store_true", help="send 1 GB (1024 MB) instead")
     ap.add_argument("--repeat", type=int, default=3, help="runs per way; the best counts")
+    ap.add_argument("--provider-mb-s", type=float, default=20.0,
+                    help="each provider's upload cap for the capped swarm figures, in MB/s (20 = 160 Mbit/s)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--peer", action="append", default=[], help=argparse.SUPPRESS)
     args = ap.parse_args()
     n = (1024 if args.gb else args.size_mb) << 20
     if args.serve:
-        return serve(args.serve, n)
+        return serve(args.serve, n, args.peer)
 
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="skillswarm-bench-") as tmp:
-        provider = subprocess.Popen([sys.executable, __file__, "--serve", f"{tmp}/provider", "--size-mb", str(n >> 20)],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        sha, tree = make_blob(Path(f"{tmp}/provider"), n)
+        providers = Providers(Path(f"{tmp}/provider"), n)
         try:
-            info = json.loads(provider.stdout.readline())
+            info = providers.info[0]
+            ids = [p["peer_id"] for p in providers.info]
             store = BlobStore(f"{tmp}/fetcher")
             with SwarmDHT("bench", Identity.generate(), initial_peers=info["maddrs"]) as dht:
-                dht.run_coroutine(bare_receive, peer=info["peer_id"], n=1 << 20)  # warm the connection up
-                both_sides = _processes(provider.pid)
+                for peer in ids:  # warm the connections up
+                    dht.run_coroutine(bare_receive, peer=peer, n=1 << 20)
+                both_sides = _processes([p.pid for p in providers.procs])
 
-                def project() -> None:
-                    store.remove(info["sha"])
-                    dht.fetch(info["sha"], size=n, max_size=n, store=store, providers=[info["peer_id"]],
-                              progress=not args.json)
+                def fetch(peers: list[str], with_tree: bool):  # noqa: ANN202
+                    def way() -> None:
+                        store.remove(sha)
+                        dht.fetch(sha, size=n, max_size=n, store=store, providers=peers, progress=not args.json,
+                                  tree=tree if with_tree else None)
+                    return way
 
                 ways = {
-                    "project": project,
-                    "bare": lambda: dht.run_coroutine(bare_receive, peer=info["peer_id"], n=n),
+                    "project": fetch(ids[:1], False),
+                    "pieces": fetch(ids[:1], True),
+                    "swarm3": fetch(ids, True),
+                    "bare": lambda: dht.run_coroutine(bare_receive, peer=ids[0], n=n),
+                    "hashing_bare": lambda: dht.run_coroutine(hashing_receive, peer=ids[0], n=n,
+                                                              path=f"{tmp}/hashing-bare"),
                     "tcp": lambda: tcp_receive(info["tcp_port"], n),
-                    "asyncio": lambda: dht.run_coroutine(asyncio_receive, peer=info["peer_id"], n=n),
+                    "asyncio": lambda: dht.run_coroutine(asyncio_receive, peer=ids[0], n=n),
                 }
                 runs: dict[str, list[tuple[float, float]]] = {k: [] for k in ways}
                 for _ in range(args.repeat):  # interleaved, so a burst of load elsewhere hits every way alike
                     for name, way in ways.items():
                         runs[name].append(_measure(way, both_sides))
-                assert store.verify(info["sha"]), "the fetched blob does not match its sha256"
+                assert store.verify(sha), "the fetched blob does not match its sha256"
+                providers.rate(args.provider_mb_s)
+                capped = {"capped1": fetch(ids[:1], True), "capped3": fetch(ids, True)}
+                for _ in range(args.repeat):
+                    for name, way in capped.items():
+                        runs.setdefault(name, []).append(_measure(way, both_sides))
+                assert store.verify(sha), "the fetched blob does not match its sha256"
             sink = max(sink_rate(n, tmp) for _ in range(args.repeat))
         finally:
-            provider.stdin.close()
-            provider.wait(30)
+            providers.close()
     mb = n / 1e6
     rate = {k: mb / min(t for t, _ in v) for k, v in runs.items()}
     cpu = {k: 1000 * statistics.median(c for _, c in v) / mb for k, v in runs.items()}
     result = {
-        "size_mb": n >> 20, "repeat": args.repeat, "load_avg_1m": round(load, 2),
+        "size_mb": n >> 20, "repeat": args.repeat, "load_avg_1m": round(load, 2), "cpus": os.cpu_count(),
         "project_mb_s": round(rate["project"], 1), "bare_stream_mb_s": round(rate["bare"], 1),
         "tcp_mb_s": round(rate["tcp"], 1),
         "ratio_vs_bare": round(rate["project"] / rate["bare"], 3), "ratio_vs_tcp": round(rate["project"] / rate["tcp"], 3),
         "hivemind_streamreader_mb_s": round(rate["asyncio"], 1), "fetcher_sink_mb_s": round(sink, 1),
         "project_cpu_ms_per_mb": round(cpu["project"], 2), "bare_cpu_ms_per_mb": round(cpu["bare"], 2),
+        "hashing_bare_mb_s": round(rate["hashing_bare"], 1),
+        "ratio_vs_hashing_bare": round(rate["project"] / rate["hashing_bare"], 3),
+        "pieces_mb_s": round(rate["pieces"], 1),
+        "pieces_ratio_vs_hashing_bare": round(rate["pieces"] / rate["hashing_bare"], 3),
+        "pieces_cpu_ms_per_mb": round(cpu["pieces"], 2), "hashing_bare_cpu_ms_per_mb": round(cpu["hashing_bare"], 2),
+        "provider_upload_mb_s": args.provider_mb_s,
+        "capped_1_provider_mb_s": round(rate["capped1"], 1), "capped_3_providers_mb_s": round(rate["capped3"], 1),
+        "multi_source_speedup": round(rate["capped3"] / rate["capped1"], 3),
+        "uncapped_3_providers_mb_s": round(rate["swarm3"], 1),
+        "multi_source_speedup_uncapped": round(rate["swarm3"] / rate["pieces"], 3),
     }
     if args.json:
         print(json.dumps(result))
         return
+    r = result
     print(f"{n >> 20} MiB on 127.0.0.1, best of {args.repeat} (MB = 10^6 bytes; load average {load:.2f} "
           f"on {os.cpu_count()} CPUs at the start):")
-    print(f"  project fetch   {result['project_mb_s']:8.1f} MB/s   {result['project_cpu_ms_per_mb']:.2f} CPU ms/MB (both sides)")
-    print(f"  bare stream     {result['bare_stream_mb_s']:8.1f} MB/s   {result['bare_cpu_ms_per_mb']:.2f} CPU ms/MB")
-    print(f"  plain TCP       {result['tcp_mb_s']:8.1f} MB/s")
-    print(f"  (bare stream read through hivemind's asyncio StreamReader: {result['hivemind_streamreader_mb_s']:.1f} MB/s)")
-    print(f"  (sha256 + append + write-back + fsync alone, no network: {result['fetcher_sink_mb_s']:.1f} MB/s)")
-    print(f"  project / bare  {result['ratio_vs_bare']:.3f}   (goal >= 0.8)")
-    print(f"  project / tcp   {result['ratio_vs_tcp']:.3f}")
+    print(f"  project fetch   {r['project_mb_s']:8.1f} MB/s   {r['project_cpu_ms_per_mb']:.2f} CPU ms/MB (both sides)")
+    print(f"  piece by piece  {r['pieces_mb_s']:8.1f} MB/s   {r['pieces_cpu_ms_per_mb']:.2f} CPU ms/MB")
+    print(f"  bare stream     {r['bare_stream_mb_s']:8.1f} MB/s   {r['bare_cpu_ms_per_mb']:.2f} CPU ms/MB")
+    print(f"  hashing bare    {r['hashing_bare_mb_s']:8.1f} MB/s   {r['hashing_bare_cpu_ms_per_mb']:.2f} CPU ms/MB")
+    print(f"  plain TCP       {r['tcp_mb_s']:8.1f} MB/s")
+    print(f"  (bare stream read through hivemind's asyncio StreamReader: {r['hivemind_streamreader_mb_s']:.1f} MB/s)")
+    print(f"  (sha256 + append + write-back + fsync alone, no network: {r['fetcher_sink_mb_s']:.1f} MB/s)")
+    print(f"  project / bare          {r['ratio_vs_bare']:.3f}   (goal >= 0.8)")
+    print(f"  project / hashing bare  {r['ratio_vs_hashing_bare']:.3f}   (goal >= 0.9; piece by piece: "
+          f"{r['pieces_ratio_vs_hashing_bare']:.3f})")
+    print(f"  project / tcp           {r['ratio_vs_tcp']:.3f}")
+    print(f"  3 providers / 1, uploads capped at {args.provider_mb_s:g} MB/s: {r['multi_source_speedup']:.3f} "
+          f"({r['capped_3_providers_mb_s']:.1f} vs {r['capped_1_provider_mb_s']:.1f} MB/s; goal > 1)")
+    print(f"  3 providers / 1, uncapped: {r['multi_source_speedup_uncapped']:.3f} "
+          f"({r['uncapped_3_providers_mb_s']:.1f} vs {r['pieces_mb_s']:.1f} MB/s)")
 
 
-def _processes(provider_pid: int) -> list[psutil.Process]:
-    """Both sides: this process and the provider, with their DHT processes and p2pds."""
-    procs = {p.pid: p for r in (psutil.Process(), psutil.Process(provider_pid)) for p in [r, *r.children(recursive=True)]}
+def _processes(provider_pids: list[int]) -> list[psutil.Process]:
+    """Every side: this process and the providers, with their DHT processes and p2pds."""
+    roots = [psutil.Process(), *(psutil.Process(pid) for pid in provider_pids)]
+    procs = {p.pid: p for r in roots for p in [r, *r.children(recursive=True)]}
     return [p for p in procs.values() if p.name() != "torch_shm_manager"]
 
 

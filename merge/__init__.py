@@ -12,8 +12,9 @@ The API other parts call (see each module for details):
 
 Layout: methods/ (one file per method + registry), aggregate.py (intra-skill), codecs.py (per tensor), exact.py
 (the bit-stable arithmetic every hashed computation uses),
-deltas.py (delta files), tensorfile.py + checkpoint.py (safetensors and HF directories), pipeline.py
-(chunked execution, apply), streaming.py (the merge), screening.py, diagnostics.py, recipe.py.
+deltas.py (delta files), peft_format.py (LoRA deltas that are PEFT adapters), tensorfile.py + checkpoint.py
+(safetensors and HF directories), pipeline.py (chunked execution, apply), streaming.py (the merge),
+screening.py, diagnostics.py, recipe.py.
 """
 
 from skillswarm.merge.deltas import DeltaFile, DeltaInfo, compute_delta, encode_delta, read_delta

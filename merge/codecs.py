@@ -6,11 +6,13 @@
 | dense_bf16   | `w` (bfloat16)                                   |                             |
 | dense_fp16   | `w` (float16)                                    |                             |
 | topk         | `w::idx` (sorted flat indices), `w::val`         | density 0.1, value_bits 16  |
+|              | (value_bits 8: int8 `w::val`, f32 `w::vscale`)   |                             |
 | int8         | `w::q` (int8, w's shape), `w::scale` (f32/row)   |                             |
 | lora         | `w::A` (r x in), `w::B` (out x r); w = B @ A     | rank 16                     |
 
-Tensors a codec cannot take (scalars and empty tensors for all, non-matrices for lora) are stored dense
-float32 under their own name. A tensor's encoding is read back from the parts it has, so every file
+A lora delta may instead be a PEFT adapter (PEFT's tensor names and scaling; see peft_format.py), which
+decodes through the same exact product. Tensors a codec cannot take (scalars and empty tensors for all,
+non-matrices for lora) are stored dense float32 under their own name. A tensor's encoding is read back from the parts it has, so every file
 decodes without outside knowledge. Decoding always yields float32, and any row range decodes to the same bits as
 the same rows of the whole tensor on every machine (a LoRA product is ordered rank-1 updates, not a matmul:
 see exact.py); encoding runs once, by the delta's author, and others check its bytes by hash.
@@ -39,6 +41,8 @@ DEFAULT_PARAMS: dict[str, dict[str, float]] = {
     "lora": {"rank": 16.0},
 }
 SUFFIXES = {"topk": ("::idx", "::val"), "int8": ("::q", "::scale"), "lora": ("::A", "::B")}
+TOPK_VALUES = {8.0: torch.int8, 16.0: torch.bfloat16, 32.0: torch.float32}  # value_bits -> stored dtype
+TOPK_SCALE = "::vscale"  # the float32 scale of a top-k tensor's 8-bit values (absent for 16 and 32 bits)
 Factors = tuple[torch.Tensor, torch.Tensor]  # LoRA (A, B): delta = B @ A
 
 
@@ -54,8 +58,9 @@ def codec_params(codec: str, params: Mapping[str, float] | None = None) -> dict[
         out[k] = float(v)
     if codec == "topk" and not (0.0 < out["density"] <= 1.0):
         raise MergeError(f"topk density must be in (0, 1], got {out['density']}")
-    if codec == "topk" and out["value_bits"] not in (16.0, 32.0):
-        raise MergeError(f"topk value_bits must be 16 (bfloat16) or 32 (float32), got {out['value_bits']:g}")
+    if codec == "topk" and out["value_bits"] not in (8.0, 16.0, 32.0):
+        raise MergeError(f"topk value_bits must be 8 (int8 with a scale per tensor), 16 (bfloat16) or 32 (float32), "
+                         f"got {out['value_bits']:g}")
     if codec == "lora" and (out["rank"] < 1 or out["rank"] != int(out["rank"])):
         raise MergeError(f"lora rank must be a positive integer, got {out['rank']:g}")
     return out
@@ -88,12 +93,19 @@ def part_layout(codec: str, name: str, shape: Sequence[int], params: Mapping[str
         return [(name, DENSE_DTYPES.get(codec, torch.float32), shape)]
     if kind == "topk":
         k = topk_count(numel(shape), params["density"])
-        vdt = torch.bfloat16 if params["value_bits"] == 16 else torch.float32
-        return [(name + "::idx", _index_dtype(numel(shape)), (k,)), (name + "::val", vdt, (k,))]
+        parts = [(name + "::idx", _index_dtype(numel(shape)), (k,)), (name + "::val", TOPK_VALUES[params["value_bits"]], (k,))]
+        return parts + ([(name + TOPK_SCALE, torch.float32, (1,))] if params["value_bits"] == 8 else [])
     if kind == "int8":
         return [(name + "::q", torch.int8, shape), (name + "::scale", torch.float32, (_int8_rows(shape),))]
     r = lora_rank if lora_rank is not None else min(int(params["rank"]), *shape)
     return [(name + "::A", torch.float32, (r, shape[1])), (name + "::B", torch.float32, (shape[0], r))]
+
+
+def _quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row: q = round(x / s) with s = max|x| / 127 (1 for an all-zero row); x ~= q * s."""
+    scale = rows.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(rows / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
 
 
 def _int8_rows(shape: Sequence[int]) -> int:
@@ -145,14 +157,14 @@ def encode_tensor(codec: str, name: str, x: torch.Tensor | Factors, params: Mapp
         return {name: cast(x, DENSE_DTYPES.get(codec, torch.float32)).contiguous()}
     if kind == "topk":
         idx = magnitude_topk_indices(x, topk_count(x.numel(), params["density"]))
-        vdt = torch.bfloat16 if params["value_bits"] == 16 else torch.float32
-        return {name + "::idx": idx.to(_index_dtype(x.numel())), name + "::val": cast(x.reshape(-1)[idx], vdt)}
+        values = x.reshape(-1)[idx]
+        if params["value_bits"] == 8:
+            q, scale = _quantize(values.reshape(1, -1))
+            return {name + "::idx": idx.to(_index_dtype(x.numel())), name + "::val": q.reshape(-1), name + TOPK_SCALE: scale}
+        return {name + "::idx": idx.to(_index_dtype(x.numel())), name + "::val": cast(values, TOPK_VALUES[params["value_bits"]])}
     if kind == "int8":
-        rows = x.reshape(_int8_rows(x.shape), -1)
-        scale = rows.abs().amax(dim=1) / 127.0
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round(rows / scale[:, None]).clamp_(-127, 127).to(torch.int8).reshape(x.shape)
-        return {name + "::q": q, name + "::scale": scale}
+        q, scale = _quantize(x.reshape(_int8_rows(x.shape), -1))
+        return {name + "::q": q.reshape(x.shape), name + "::scale": scale}
     a, b = lora_factors(x, int(params["rank"]))
     return {name + "::A": a, name + "::B": b}
 
@@ -188,7 +200,10 @@ def decode_parts(kind: str, parts: Mapping[str, torch.Tensor], shape: Sequence[i
         return parts[""].to(torch.float32).reshape(shape)
     if kind == "topk":
         out = torch.zeros(numel(shape), dtype=torch.float32)
-        out[parts["::idx"].to(torch.int64) - flat_offset] = parts["::val"].to(torch.float32)
+        values = parts["::val"].to(torch.float32)
+        if TOPK_SCALE in parts:  # 8-bit values: one float32 multiply each, exact rounding on every machine
+            values = values * parts[TOPK_SCALE].to(torch.float32)
+        out[parts["::idx"].to(torch.int64) - flat_offset] = values
         return out.reshape(shape)
     if kind == "int8":
         q, scale = parts["::q"].to(torch.float32), parts["::scale"].to(torch.float32)
@@ -210,6 +225,8 @@ def decode_rows(f: TensorFile, name: str, kind: str, shape: Sequence[int], r0: i
         index = _FlatIndex(f, name + "::idx")
         lo, hi = bisect.bisect_left(index, lo_el), bisect.bisect_left(index, hi_el)
         parts = {"::idx": f.read_flat(name + "::idx", lo, hi), "::val": f.read_flat(name + "::val", lo, hi)}
+        if name + TOPK_SCALE in f:
+            parts[TOPK_SCALE] = f.read(name + TOPK_SCALE)
         return decode_parts(kind, parts, rows_shape, lo_el)
     if kind == "int8":
         scale = f.read_rows(name + "::scale", r0, r1) if len(shape) >= 2 else f.read(name + "::scale")

@@ -2,7 +2,8 @@
 
 `__metadata__` holds `format` ("skillswarm-delta"), `format_version`, `codec`, `codec_params` (JSON),
 `tensors` (JSON: name -> [dtype of the weight it applies to, or "", shape]) and, when known, `base_hash`
-and `skill`. Tensors a delta leaves out are zero (a LoRA delta holds only its target matrices).
+and `skill`. Tensors a delta leaves out are zero (a LoRA delta holds only its target matrices). A LoRA delta
+in PEFT's format (version 2, `peft_config` metadata: see peft_format.py) is also a PEFT adapter_model.safetensors.
 
 The trainer publishes with `compute_delta` (two model directories, streamed tensor by tensor) or
 `encode_delta` (a state dict of deltas, or LoRA factors, already in memory); the coordinator and the
@@ -15,14 +16,15 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
 from skillswarm.merge.checkpoint import Checkpoint
-from skillswarm.merge.codecs import (DENSE_DTYPES, SUFFIXES, Factors, codec_params, decode_parts, decode_rows,
-                                     encode_tensor, part_layout, stored_kind, tensor_kind)
+from skillswarm.merge.codecs import (DENSE_DTYPES, SUFFIXES, TOPK_SCALE, Factors, codec_params, decode_parts,
+                                     decode_rows, encode_tensor, part_layout, stored_kind, tensor_kind)
 from skillswarm.merge.exact import SquareSum
+from skillswarm.merge import peft_format
 from skillswarm.merge.progress import progress_bar
 from skillswarm.merge.tensorfile import DTYPES, TensorFile, TensorFileWriter, dtype_name, numel, row_chunks
 from skillswarm.protocol.atomic import atomic_open
@@ -30,6 +32,7 @@ from skillswarm.protocol.errors import MergeError
 
 FORMAT = "skillswarm-delta"
 FORMAT_VERSION = "1"
+READ_VERSIONS = (FORMAT_VERSION, peft_format.FORMAT_VERSION)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -56,6 +59,7 @@ class DeltaTensor:
     dtype: str
     shape: tuple[int, ...]
     kind: str
+    peft: peft_format.PeftParts | None = None  # where its factors lie in a PEFT-format file
 
 
 class DeltaFile:
@@ -75,9 +79,9 @@ class DeltaFile:
         if md.get("format") != FORMAT:
             raise MergeError(f"{where} is not a skillswarm delta (no `format: {FORMAT}` metadata); make one with "
                              "`skillswarm merge delta` or skillswarm.merge.encode_delta")
-        if md.get("format_version") != FORMAT_VERSION:
+        if md.get("format_version") not in READ_VERSIONS:
             raise MergeError(f"{where} is delta format version {md.get('format_version')!r}; this build reads "
-                             f"version {FORMAT_VERSION} (upgrade skillswarm)")
+                             f"versions {', '.join(READ_VERSIONS)} (upgrade skillswarm)")
         try:
             params = json.loads(md.get("codec_params", "{}"))
             declared = json.loads(md["tensors"])
@@ -88,6 +92,7 @@ class DeltaFile:
         self.params = codec_params(self.codec, params)
         self.base_hash: str | None = md.get("base_hash") or None
         self.skill: str | None = md.get("skill") or None
+        self.peft_config: dict | None = self._peft_config(md)
         self.tensors: dict[str, DeltaTensor] = {}
         used: set[str] = set()
         for name, spec in sorted(declared.items()):
@@ -97,14 +102,36 @@ class DeltaFile:
                 raise MergeError(f"{where}: tensor `{name}` is declared as {spec!r}, expected [dtype, shape]") from None
             if dtype and dtype not in DTYPES:
                 raise MergeError(f"{where}: tensor `{name}` declares unknown dtype {dtype!r}")
+            if self.peft_config is not None:
+                parts_at = peft_format.locate(self.file, self.peft_config, name, shape)
+                used.update((parts_at.a, parts_at.b))
+                self.tensors[name] = DeltaTensor(dtype, shape, "lora", parts_at)
+                continue
             kind = stored_kind(self.file, name)
             parts = [name] if kind == "dense" else [name + s for s in SUFFIXES[kind]]
+            if kind == "topk" and name + TOPK_SCALE in self.file:
+                parts.append(name + TOPK_SCALE)
             self._check_parts(name, kind, shape)
             used.update(parts)
             self.tensors[name] = DeltaTensor(dtype, shape, kind)
         stray = sorted(set(self.file.keys()) - used)
         if stray:
             raise MergeError(f"{where}: stored tensors {stray[:5]} belong to no declared tensor; the file is corrupt")
+
+    def _peft_config(self, md: dict[str, str]) -> dict | None:
+        """The adapter config of a PEFT-format file (version 2, lora codec only), else None."""
+        if md.get("format_version") != peft_format.FORMAT_VERSION:
+            return None
+        try:
+            config = json.loads(md["peft_config"])
+            assert isinstance(config, dict)
+        except (KeyError, ValueError, AssertionError):
+            raise MergeError(f"{self.path}: a version {peft_format.FORMAT_VERSION} delta needs `peft_config` "
+                             "metadata holding its adapter_config.json; the file is corrupt") from None
+        if self.codec != "lora":
+            raise MergeError(f"{self.path}: a PEFT adapter is a lora delta, but the file says codec {self.codec!r}")
+        peft_format.check_config(config, str(self.path))
+        return config
 
     def _check_parts(self, name: str, kind: str, shape: tuple[int, ...]) -> None:
         e = self.file.entry
@@ -116,9 +143,12 @@ class DeltaFile:
                                  f"stores {want or 'float'} of the declared shape")
         elif kind == "topk":
             i, v = e(name + "::idx"), e(name + "::val")
+            scaled = name + TOPK_SCALE in self.file
             if (len(i.shape) != 1 or i.shape != v.shape or i.dtype not in (torch.int32, torch.int64)
-                    or v.dtype not in FLOAT_DTYPES or i.shape[0] > numel(shape)):
-                raise MergeError(f"{bad}: top-k parts must be 1-D int indices and float values of equal length")
+                    or v.dtype not in ((torch.int8,) if scaled else FLOAT_DTYPES) or i.shape[0] > numel(shape)
+                    or (scaled and (e(name + TOPK_SCALE).shape != (1,) or e(name + TOPK_SCALE).dtype != torch.float32))):
+                raise MergeError(f"{bad}: top-k parts must be 1-D int indices and values of equal length: float values, "
+                                 "or int8 values with one float32 scale")
         elif kind == "int8":
             q, s = e(name + "::q"), e(name + "::scale")
             rows = shape[0] if len(shape) >= 2 else 1
@@ -145,14 +175,19 @@ class DeltaFile:
     def rows(self, name: str, r0: int, r1: int) -> torch.Tensor | None:
         """Rows [r0, r1) of tensor `name` as float32, or None if this delta leaves the tensor out (zero)."""
         t = self.tensors.get(name)
-        return None if t is None else decode_rows(self.file, name, t.kind, t.shape, r0, r1)
+        return None if t is None else self._decode(name, t, r0, r1)
+
+    def _decode(self, name: str, t: DeltaTensor, r0: int, r1: int) -> torch.Tensor:
+        if t.peft is not None:
+            return peft_format.decode_rows(self.file, t.peft, t.shape, r0, r1)
+        return decode_rows(self.file, name, t.kind, t.shape, r0, r1)
 
     def get(self, name: str) -> torch.Tensor:
         """Tensor `name` as float32, whole."""
         if name not in self.tensors:
             raise MergeError(f"{self.path} has no tensor `{name}`")
         t = self.tensors[name]
-        return decode_rows(self.file, name, t.kind, t.shape, 0, t.shape[0] if t.shape else 1)
+        return self._decode(name, t, 0, t.shape[0] if t.shape else 1)
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, float32 tensor) for every declared tensor, one materialized at a time."""
@@ -212,9 +247,12 @@ def read_delta(path: Path | str) -> DeltaFile:
 
 
 def _metadata(codec: str, params: Mapping[str, float], declared: Mapping[str, list], base_hash: str | None,
-              skill: str | None) -> dict[str, str]:
+              skill: str | None, peft_config: Mapping | None = None) -> dict[str, str]:
     md = {"format": FORMAT, "format_version": FORMAT_VERSION, "codec": codec,
           "codec_params": json.dumps(dict(params), sort_keys=True), "tensors": json.dumps(dict(declared), sort_keys=True)}
+    if peft_config is not None:
+        md["format_version"] = peft_format.FORMAT_VERSION
+        md["peft_config"] = json.dumps(dict(peft_config), sort_keys=True)
     if base_hash:
         md["base_hash"] = base_hash
     if skill:
@@ -223,17 +261,26 @@ def _metadata(codec: str, params: Mapping[str, float], declared: Mapping[str, li
 
 
 class _DeltaWriter:
-    """Encodes tensors one at a time into an open file whose layout was declared up front."""
+    """Encodes tensors one at a time into an open file whose layout was declared up front. With `peft_config`
+    (lora only) the factors take PEFT's names and scaling: the file is a PEFT adapter (peft_format.py)."""
 
     def __init__(self, f, codec: str, params: dict[str, float], specs: list[tuple[str, str, tuple[int, ...], int | None]],
-                 base_hash: str | None, skill: str | None) -> None:
-        self.codec, self.params = codec, params
+                 base_hash: str | None, skill: str | None, peft_config: Mapping | None = None) -> None:
+        self.codec, self.params, self.peft_config = codec, params, peft_config
+        self.rename: dict[str, str] = {}
         layout, declared = [], {}
         for name, dtype, shape, rank in specs:
-            layout += part_layout(codec, name, shape, params, rank)
+            parts = part_layout(codec, name, shape, params, rank)
+            if peft_config is not None:
+                if tensor_kind(codec, shape) != "lora":
+                    raise MergeError(f"`{name}` {list(shape)}: a PEFT adapter holds only LoRA factors of matrices")
+                a_name, b_name = peft_format.part_names(name)
+                self.rename.update({name + "::A": a_name, name + "::B": b_name})
+                parts = [(self.rename[p], d, s) for p, d, s in parts]
+            layout += parts
             declared[name] = [dtype, list(shape)]
         self.layout = {n: (d, s) for n, d, s in layout}
-        self.w = TensorFileWriter(f, layout, _metadata(codec, params, declared, base_hash, skill))
+        self.w = TensorFileWriter(f, layout, _metadata(codec, params, declared, base_hash, skill, peft_config))
         self.sq_norm = SquareSum()
         self.sq_err = self.sq_ref = 0.0
         self.exact = True
@@ -241,12 +288,17 @@ class _DeltaWriter:
     def add(self, name: str, x: torch.Tensor | Factors, shape: tuple[int, ...]) -> None:
         parts = encode_tensor(self.codec, name, x, self.params)
         for part, t in parts.items():
-            if (t.dtype, tuple(t.shape)) != self.layout[part]:
-                raise MergeError(f"`{name}`: encoded part {part} is {t.dtype} {list(t.shape)}, "
-                                 f"expected {self.layout[part][0]} {list(self.layout[part][1])}")
-            self.w.write(part, t)
+            stored = self.rename.get(part, part)
+            if (t.dtype, tuple(t.shape)) != self.layout[stored]:
+                raise MergeError(f"`{name}`: encoded part {stored} is {t.dtype} {list(t.shape)}, "
+                                 f"expected {self.layout[stored][0]} {list(self.layout[stored][1])}")
+            self.w.write(stored, t)
         kind = tensor_kind(self.codec, shape) if not isinstance(x, tuple) else "lora"
-        decoded = decode_parts(kind, {p[len(name):]: t for p, t in parts.items()}, shape)
+        decoded_parts = {p[len(name):]: t for p, t in parts.items()}
+        if self.peft_config is not None:  # PEFT's scaling, applied to B as the reader does
+            scale = peft_format.scaling(self.peft_config, peft_format.module_of(name))[1]
+            decoded_parts["::B"] = peft_format.scaled(decoded_parts["::B"], scale)
+        decoded = decode_parts(kind, decoded_parts, shape)
         self.sq_norm.add(decoded)
         if isinstance(x, tuple):
             self.exact = False
@@ -255,6 +307,12 @@ class _DeltaWriter:
             self.sq_ref += float(torch.linalg.vector_norm(ref)) ** 2
             if not (kind == "dense" and parts[name].dtype == torch.float32):
                 self.sq_err += float(torch.linalg.vector_norm(ref - decoded)) ** 2
+
+    def leave_out(self, x: torch.Tensor) -> None:
+        """Count a tensor the file does not hold (zero delta) in the reconstruction error."""
+        sq = float(torch.linalg.vector_norm(x.detach().to(torch.float32))) ** 2
+        self.sq_ref += sq
+        self.sq_err += sq
 
     def info(self, path: Path, n: int, base_hash: str | None, skill: str | None) -> DeltaInfo:
         sha, size = self.w.close()
@@ -265,13 +323,16 @@ class _DeltaWriter:
 
 def encode_delta(delta: Mapping[str, torch.Tensor | Factors] | tuple[Path | str, Path | str], out_path: Path | str,
                  codec: str, *, base_hash: str | None = None, skill: str | None = None,
-                 dtypes: Mapping[str, torch.dtype] | None = None, progress: bool = False, **params: float) -> DeltaInfo:
+                 dtypes: Mapping[str, torch.dtype] | None = None, progress: bool = False,
+                 peft_config: Mapping | None = None, **params: float) -> DeltaInfo:
     """Encode a delta with `codec` into `out_path` (written atomically) and describe the result.
 
     `delta` is a state dict of deltas (trained - base, any float dtype; with codec "lora" a value may also
     be ready factors (A, B) meaning B @ A), or a pair (tuned_dir, base_dir) that is streamed through
     `compute_delta`. `dtypes` names the dtype of the weights each delta applies to (recorded so screening
     can check it against the base); `params` are the codec's (density=, value_bits= for topk, rank= for lora).
+    `peft_config` (lora, factors only): write a PEFT adapter, the factors as PEFT stores them (B unscaled) and
+    this adapter_config.json in the metadata; the delta is then (B * scaling) @ A, as PEFT applies it.
     """
     if isinstance(delta, tuple):
         tuned_dir, base_dir = delta
@@ -280,6 +341,8 @@ def encode_delta(delta: Mapping[str, torch.Tensor | Factors] | tuple[Path | str,
     p = codec_params(codec, params)
     if not delta:
         raise MergeError("the delta is empty; nothing to encode")
+    if peft_config is not None:
+        peft_config = _writable_peft_config(codec, peft_config, delta)
     specs, shapes = [], {}
     for name in sorted(delta):
         x = delta[name]
@@ -295,7 +358,7 @@ def encode_delta(delta: Mapping[str, torch.Tensor | Factors] | tuple[Path | str,
         specs.append((name, dt, shape, rank))
         shapes[name] = shape
     with atomic_open(out_path, "wb") as f:
-        w = _DeltaWriter(f, codec, p, specs, base_hash, skill)
+        w = _DeltaWriter(f, codec, p, specs, base_hash, skill, peft_config)
         with progress_bar(len(specs), "encoding delta", enabled=progress) as advance:
             for name in shapes:
                 w.add(name, delta[name], shapes[name])
@@ -304,12 +367,29 @@ def encode_delta(delta: Mapping[str, torch.Tensor | Factors] | tuple[Path | str,
     return info
 
 
+def _writable_peft_config(codec: str, config: Mapping, delta: Mapping[str, Any]) -> dict:
+    """A PEFT config the writer can honour: lora codec, ready factors only, no fan_in_fan_out layout."""
+    config = peft_format.json_config(config)
+    peft_format.check_config(config, "the adapter config")
+    if codec != "lora" or not all(isinstance(x, tuple) for x in delta.values()):
+        raise MergeError("a PEFT adapter is written from LoRA factors (A, B) with the lora codec")
+    if config.get("fan_in_fan_out"):
+        raise MergeError("writing fan_in_fan_out (Conv1D) adapters is not supported; merge them as dense deltas")
+    return config
+
+
 def compute_delta(base_dir: Path | str, tuned_dir: Path | str, out_path: Path | str, codec: str, *,
                   base_hash: str | None = None, skill: str | None = None, progress: bool = False,
-                  **params: float) -> DeltaInfo:
+                  adapter_targets: Sequence[str] | None = None, **params: float) -> DeltaInfo:
     """delta = tuned - base for every floating-point weight, streamed one tensor at a time into `out_path`
-    (atomically). Both directories must hold the same tensor names and shapes."""
+    (atomically). Both directories must hold the same tensor names and shapes.
+
+    `adapter_targets` (lora codec): write a PEFT adapter (peft_format.py) holding rank-`rank` SVD factors of
+    these weights only (the weight matrices of linear layers); every other weight stays the base's, and its
+    change counts in the reconstruction error."""
     p = codec_params(codec, params)
+    if adapter_targets is not None and codec != "lora":
+        raise MergeError(f"a PEFT adapter is a lora delta; codec {codec} cannot write one")
     base, tuned = Checkpoint(base_dir), Checkpoint(tuned_dir)
     try:
         names = base.names()
@@ -324,8 +404,23 @@ def compute_delta(base_dir: Path | str, tuned_dir: Path | str, out_path: Path | 
                 raise MergeError(f"`{name}` is {list(t.shape)} in {tuned_dir} but {list(b.shape)} in the base")
             if torch.is_floating_point(torch.empty(0, dtype=b.dtype)):
                 specs.append((name, dtype_name(b.dtype), b.shape, None))
+        left_out: list[str] = []
+        config = None
+        if adapter_targets is not None:
+            targets = set(adapter_targets)
+            unknown = sorted(targets - {s[0] for s in specs if len(s[2]) == 2})
+            if unknown:
+                raise MergeError(f"adapter targets {unknown[:3]} are not weight matrices of {base_dir}")
+            left_out = [s[0] for s in specs if s[0] not in targets]
+            specs = [s for s in specs if s[0] in targets]
+            if not specs:
+                raise MergeError(f"{base_dir} has no weight matrix to put a LoRA adapter on")
+            config = peft_format.adapter_config({s[0]: min(int(p["rank"]), *s[2]) for s in specs})
         with atomic_open(out_path, "wb") as f:
-            w = _DeltaWriter(f, codec, p, specs, base_hash, skill)
+            w = _DeltaWriter(f, codec, p, specs, base_hash, skill, config)
+            for name in left_out:  # an adapter leaves them at the base's value: all of their change is error
+                x = tuned.read(name).to(torch.float32) - base.read(name).to(torch.float32)
+                w.leave_out(x)
             with progress_bar(len(specs), "computing delta", enabled=progress) as advance:
                 for name, _, shape, _ in specs:
                     x = tuned.read(name).to(torch.float32) - base.read(name).to(torch.float32)

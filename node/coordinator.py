@@ -31,7 +31,7 @@ from skillswarm.node import failpoints
 from skillswarm.node.pull import find_checkpoint, local_base, pull, share
 from skillswarm.node.rounds import Candidate, RoundContext, RoundStrategy, evaluate_all
 from skillswarm.node.rounds.context import clean_figures
-from skillswarm.node.store import CheckpointStore, checkpoint_files
+from skillswarm.node.store import CheckpointStore, checkpoint_files, with_trees
 from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.protocol.codec import encode_record
 from skillswarm.protocol.errors import RecordError, SkillswarmError, SpecError
@@ -99,14 +99,16 @@ def policy_from_manifest(m: CheckpointManifest) -> tuple[MergePolicy, int]:
     return policy, int(p.get("seed", m.parent_version or 0))
 
 
-def genesis_manifest(spec: NetworkSpec, identity: Identity, base: Path) -> CheckpointManifest:
-    """Checkpoint v0 = the network's base model, checked against the spec's base hash."""
+def genesis_manifest(spec: NetworkSpec, identity: Identity, base: Path,
+                     blobs: BlobStore | None = None) -> CheckpointManifest:
+    """Checkpoint v0 = the network's base model, checked against the spec's base hash (its files' piece lists
+    cached in `blobs` when given)."""
     got = weights_hash(base)
     if got != spec.base_hash:
         raise SpecError(f"{base} hashes to {got[:12]}, but the network file says the base is {spec.base_hash[:12]}; "
                         "point --model / base_model at the right directory")
     return identity.sign_record(CheckpointManifest(network=spec.network, version=0, weights_hash=got,
-                                                   files=checkpoint_files(base)))
+                                                   files=with_trees(checkpoint_files(base), base, blobs)))
 
 
 def fit_manifest(manifest: CheckpointManifest, identity: Identity) -> CheckpointManifest:
@@ -168,7 +170,7 @@ class Coordinator:
             if base is None:
                 raise SpecError(f"no checkpoint on the network yet and base_model {self.spec.base_model!r} is not a "
                                 "local directory; the first coordinator needs the base model on disk")
-            genesis = genesis_manifest(self.spec, self.identity, base)
+            genesis = genesis_manifest(self.spec, self.identity, base, self.blobs)
             for f in genesis.files:
                 self.blobs.add_file(base / f.path)  # a copy: the user may edit their base dir
             self.store.assemble(genesis, self.blobs)
@@ -237,8 +239,10 @@ class Coordinator:
             delta_sha = self.blobs.add_file(staging / "merged.safetensors", move=True)
             manifest = fit_manifest(CheckpointManifest(
                 network=self.spec.network, version=current.version + 1, parent_version=current.version,
-                parent_hash=current.weights_hash, weights_hash=result.weights_hash, files=result.files,
-                merged_delta=FileEntry(path="merged_delta.safetensors", sha256=delta_sha, size=self.blobs.size(delta_sha)),
+                parent_hash=current.weights_hash, weights_hash=result.weights_hash,
+                files=with_trees(result.files, out, self.blobs),
+                merged_delta=FileEntry(path="merged_delta.safetensors", sha256=delta_sha, size=self.blobs.size(delta_sha),
+                                       tree=self.blobs.tree(delta_sha)),
                 method=self.spec.merge.method, aggregator=self.spec.merge.aggregator,
                 params=merge_params(self.spec.merge, current.version),
                 included=[DeltaRef(blob=c.manifest.blob, author=c.author, skill=c.skill, weight=c.weight,

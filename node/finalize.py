@@ -1,5 +1,6 @@
 """The end of a training run: the trained model as an HF directory, its delta against the starting
-model (through the merge engine's codecs), the run's TrainStats and RUN_DIR/result.json."""
+model (through the merge engine's codecs), a LoRA run's PEFT adapter (RUN_DIR/adapter), the run's
+TrainStats and RUN_DIR/result.json."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from skillswarm.node.runstate import DELTA, MODEL, RESULT
+from skillswarm.node.runstate import ADAPTER, DELTA, MODEL, RESULT
 from skillswarm.protocol.atomic import atomic_write_text
 from skillswarm.protocol.hashing import weights_hash
 from skillswarm.protocol.records import TrainStats
@@ -47,28 +48,58 @@ def save_model(trainer: "Trainer", tokenizer: Any, dtype: torch.dtype, run_dir: 
     return target
 
 
+def save_adapter_file(cfg: "TrainConfig", trainer: "Trainer", dtype: torch.dtype, out: Path, base_hash: str) -> Any:
+    """The trained LoRA adapter as a PEFT delta file (PEFT's adapter_model.safetensors with its config in the
+    metadata): the factors exactly as trained, so the delta is what the run learned, not an approximation."""
+    from skillswarm.merge import encode_delta
+
+    factors, config = trainer.adapter()
+    return encode_delta(factors, out, "lora", base_hash=base_hash, skill=cfg.skill, dtypes={k: dtype for k in factors},
+                        peft_config=config, rank=float(config["r"]))
+
+
 def save_delta(cfg: "TrainConfig", trainer: "Trainer", model_dir: Path, dtype: torch.dtype, run_dir: Path) -> Any:
-    """RUN_DIR/delta.safetensors = trained - starting weights, encoded with `cfg.codec` (LoRA runs with
-    the lora codec store their own factors exactly; everything else streams tuned - base)."""
-    from skillswarm.merge import compute_delta, encode_delta
+    """RUN_DIR/delta.safetensors = trained - starting weights, encoded with `cfg.codec`: a LoRA run with the
+    lora codec publishes its adapter; a full run with the lora codec the rank-r SVD adapter of its linear
+    layers (both in PEFT's format); every other codec streams tuned - base."""
+    from skillswarm.merge import compute_delta
 
     base_hash = weights_hash(cfg.model_dir)
     out = run_dir / DELTA
     if cfg.codec == "lora" and cfg.lora:
-        factors = trainer.lora_factors()
-        return encode_delta(factors, out, "lora", base_hash=base_hash, skill=cfg.skill,
-                            dtypes={k: dtype for k in factors})
+        return save_adapter_file(cfg, trainer, dtype, out, base_hash)
     params = dict(cfg.codec_params)
-    if cfg.codec == "lora" and "rank" not in params:
-        params["rank"] = float(cfg.lora_rank)
-    return compute_delta(cfg.model_dir, model_dir, out, cfg.codec, base_hash=base_hash, skill=cfg.skill, **params)
+    targets = None
+    if cfg.codec == "lora":
+        from skillswarm.node.adapter import linear_targets
+
+        params.setdefault("rank", float(cfg.lora_rank))
+        targets = linear_targets(trainer.model)
+    return compute_delta(cfg.model_dir, model_dir, out, cfg.codec, base_hash=base_hash, skill=cfg.skill,
+                         adapter_targets=targets, **params)
 
 
-def save_outputs(cfg: "TrainConfig", trainer: "Trainer", tokenizer: Any, dtype: torch.dtype, run_dir: Path) -> tuple[Path, Any]:
-    """The trained model directory and the delta (None when `cfg.codec` is None)."""
+def save_outputs(cfg: "TrainConfig", trainer: "Trainer", tokenizer: Any, dtype: torch.dtype,
+                 run_dir: Path) -> tuple[Path, Any, Path | None]:
+    """The trained model directory, the delta (None when `cfg.codec` is None) and, for a LoRA run, its PEFT
+    adapter directory RUN_DIR/adapter (loads with PeftModel.from_pretrained on the starting model)."""
+    from skillswarm.merge.peft_format import write_adapter_dir
+
     model_dir = save_model(trainer, tokenizer, dtype, run_dir)
     delta = save_delta(cfg, trainer, model_dir, dtype, run_dir) if cfg.codec else None
-    return model_dir, delta
+    adapter_dir = None
+    if cfg.lora:
+        if delta is not None and cfg.codec == "lora":
+            src, scratch = delta.path, None
+        else:
+            scratch = run_dir / f".{ADAPTER}.safetensors"
+            src = save_adapter_file(cfg, trainer, dtype, scratch, weights_hash(cfg.model_dir)).path
+        try:
+            adapter_dir = write_adapter_dir(src, run_dir / ADAPTER, base_model=str(cfg.model_dir), overwrite=True)
+        finally:
+            if scratch is not None:
+                scratch.unlink(missing_ok=True)
+    return model_dir, delta, adapter_dir
 
 
 def train_stats(cfg: "TrainConfig", state: Mapping[str, Any], counters: Mapping[str, Any],

@@ -76,8 +76,8 @@ def pull(dht: "SwarmDHT", spec: NetworkSpec, manifest: CheckpointManifest, store
 
 
 def _from_local_base(manifest: CheckpointManifest, base: Path, store: CheckpointStore, blobs: BlobStore) -> Path:
-    wanted = {f.path: f for f in manifest.files}
-    have = {f.path: f for f in checkpoint_files(base) if f.path in wanted}
+    wanted = {f.path: (f.sha256, f.size) for f in manifest.files}
+    have = {f.path: (f.sha256, f.size) for f in checkpoint_files(base) if f.path in wanted}
     if have != wanted:
         raise HashMismatchError("file list or hashes differ")
     for f in manifest.files:
@@ -92,7 +92,7 @@ def _from_parent(dht: "SwarmDHT", manifest: CheckpointManifest, store: Checkpoin
 
     delta = manifest.merged_delta
     assert delta is not None and manifest.parent_version is not None
-    path = dht.fetch(delta.sha256, size=delta.size, max_size=delta.size, store=blobs, progress=progress)
+    path = dht.fetch(delta.sha256, size=delta.size, max_size=delta.size, store=blobs, progress=progress, tree=delta.tree)
     built = store.staging()
     try:
         apply_delta(store.path(manifest.parent_version), path, built / "ckpt", expected_base_hash=manifest.parent_hash,
@@ -112,7 +112,7 @@ def _fetch_all(dht: "SwarmDHT", manifest: CheckpointManifest, store: CheckpointS
         if blobs.has(f.sha256):
             continue
         try:
-            dht.fetch(f.sha256, size=f.size, max_size=f.size, store=blobs, progress=progress)
+            dht.fetch(f.sha256, size=f.size, max_size=f.size, store=blobs, progress=progress, tree=f.tree)
         except (BlobError, NetworkError) as e:
             raise BlobError(f"cannot fetch {f.path} of checkpoint v{manifest.version}: {e}") from None
     return store.assemble(manifest, blobs)

@@ -74,6 +74,7 @@ class _Live:
 
 def _start(skill: Skill, engine: Engine, task: Task, seed: int) -> _Live:
     state = skill.reset(task, seed)
+    state.batched = True  # its wall-clock limit counts its own environment steps, not the batch's waits
     text = render(engine.tokenizer, state.messages, add_generation_prompt=True)
     ids = encode(engine.tokenizer, text)
     rollout = Rollout(episode=None, token_ids=ids, loss_mask=[0] * len(ids), logprobs=[0.0] * len(ids),  # type: ignore[arg-type]

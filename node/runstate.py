@@ -28,6 +28,7 @@ CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
 MODEL = "model"
 DELTA = "delta.safetensors"
+ADAPTER = "adapter"  # a LoRA run's PEFT adapter directory
 RESULT = "result.json"
 FORMAT = 1
 

@@ -9,8 +9,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import msgspec
+
 from skillswarm.protocol.atomic import atomic_write_bytes
 from skillswarm.protocol.transport.blobs import BlobStore
+from skillswarm.protocol.transport.pieces import file_pieces, tree_hash
 from skillswarm.protocol.codec import decode_record, encode_record
 from skillswarm.protocol.errors import HashMismatchError, RecordError
 from skillswarm.protocol.hashing import sha256_file, weights_hash
@@ -32,6 +35,18 @@ def checkpoint_files(model_dir: Path) -> list[FileEntry]:
             out.append(FileEntry(path=p.name, sha256=sha256_file(p), size=p.stat().st_size))
     if not any(f.path == "config.json" for f in out):
         raise FileNotFoundError(f"{model_dir} has no config.json; it is not a Hugging Face model directory")
+    return out
+
+
+def with_trees(files: list[FileEntry], model_dir: Path, blobs: BlobStore | None = None) -> list[FileEntry]:
+    """The entries with the tree hash of each file in `model_dir`, so pullers fetch it from every provider at
+    once; the piece lists go into `blobs`' cache, ready to serve."""
+    out = []
+    for f in files:
+        piece_list = file_pieces(Path(model_dir) / f.path)
+        if blobs is not None:
+            blobs.save_pieces(f.sha256, piece_list)
+        out.append(msgspec.structs.replace(f, tree=tree_hash(piece_list)))
     return out
 
 

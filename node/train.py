@@ -165,6 +165,7 @@ class TrainResult:
     stats: TrainStats
     run_dir: Path
     evals: list[dict[str, Any]] = field(default_factory=list)
+    adapter_dir: Path | None = None  # a LoRA run's PEFT adapter (adapter_config.json + adapter_model.safetensors)
 
 
 def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[dict[str, Any]], None] | None = None,
@@ -345,12 +346,12 @@ class _Run:
         return record
 
     def _finish(self, after: dict[str, Any] | None) -> TrainResult:
-        model_dir, delta = save_outputs(self.cfg, self.trainer, self.tokenizer, self.dtype, self.run_dir)
+        model_dir, delta, adapter_dir = save_outputs(self.cfg, self.trainer, self.tokenizer, self.dtype, self.run_dir)
         stats = train_stats(self.cfg, self.state, self.feed_counters, after)
         self.metrics.write({"kind": "end", "step": self.state["step"], "stats": _struct_dict(stats),
                             "delta": None if delta is None else str(delta.path)})
         write_result(self.run_dir, model_dir, delta, stats)
-        return TrainResult(model_dir, delta, self.metrics_path, stats, self.run_dir, list(self.evals))
+        return TrainResult(model_dir, delta, self.metrics_path, stats, self.run_dir, list(self.evals), adapter_dir)
 
 
 def _stored_dtype(model: Any) -> torch.dtype:

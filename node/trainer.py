@@ -216,6 +216,27 @@ class Trainer:
                                        (m.lora_B["default"].weight * m.scaling["default"]).detach().clone())
                     for name, m in self._lora_layers()}
 
+    def adapter(self) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, Any]]:
+        """The LoRA adapter as PEFT saves it: factors (A, B) per targeted weight (B unscaled: the delta is
+        B @ A * lora_alpha / r) and the adapter_config.json values; checked against PEFT's own state dict."""
+        from peft import get_peft_model_state_dict
+
+        from skillswarm.merge.peft_format import json_config, part_names
+
+        if not self.optim_cfg.lora:
+            raise ValueError("adapter() needs a LoRA trainer")
+        with torch.no_grad():
+            factors = {f"{name}.weight": (m.lora_A["default"].weight.detach().float().clone(),
+                                          m.lora_B["default"].weight.detach().float().clone())
+                       for name, m in self._lora_layers()}
+            peft_names = set(get_peft_model_state_dict(self.model))
+        ours = {n for w in factors for n in part_names(w)}
+        if ours != peft_names:
+            raise ValueError(f"PEFT names this adapter's tensors differently: {sorted(ours ^ peft_names)[:3]}")
+        config = json_config(self.model.peft_config["default"].to_dict())
+        config.update(inference_mode=True, base_model_name_or_path=None)  # as PEFT saves it; no local paths
+        return factors, config
+
     def merged_model(self) -> Any:
         """A plain HF model holding the trained weights (for LoRA a merged copy; the trainer keeps its own)."""
         if not self.optim_cfg.lora:

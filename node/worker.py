@@ -103,7 +103,6 @@ class Worker:
 
     def train_round(self, current: CheckpointManifest, stop: threading.Event) -> DeltaManifest | None:
         """Train on the shard from `current`, encode the delta, publish it; None when stopped early."""
-        from skillswarm.merge import compute_delta
         from skillswarm.node.train import TrainConfig, train
 
         base_dir = self.store.path(current.version)
@@ -113,7 +112,8 @@ class Worker:
         settings = {"eval_every": 0, "eval_n": 64, "save_every": 10, "max_minutes": self.opt.minutes_per_round,
                     **self.opt.train}
         cfg = TrainConfig(model_dir=base_dir, skill=self.opt.skill, steps=steps, out_dir=run_dir, lora=self.opt.lora,
-                          engine=self.opt.engine, resume=run_dir.exists(), codec=None, **settings)
+                          engine=self.opt.engine, resume=run_dir.exists(),
+                          codec="lora" if self.opt.lora else self.spec.codec, **settings)  # LoRA: the PEFT adapter itself
 
         def on_step(metrics: dict) -> None:
             self._put_stats(TrainStats(steps=int(metrics.get("step", 0)), samples=int(metrics.get("samples", 0)),
@@ -124,13 +124,11 @@ class Worker:
         if stop.is_set() and result.stats.steps < steps:
             return None
         self.state = "publishing"
-        delta_path = run_dir / "delta.safetensors"
-        info = compute_delta(base_dir, result.model_dir, delta_path, self.spec.codec, base_hash=current.weights_hash,
-                             skill=self.opt.skill)
-        sha = self.blobs.add_file(delta_path, move=True)
+        info = result.delta  # encoded by the run against base_dir, whose hash is current.weights_hash (verified)
+        sha = self.blobs.add_file(info.path, move=True)
         manifest = self.identity.sign_record(DeltaManifest(
             network=self.spec.network, skill=self.opt.skill, base_version=current.version,
-            base_hash=current.weights_hash, blob=sha, size=info.size, codec=self.spec.codec,
+            base_hash=current.weights_hash, blob=sha, size=info.size, codec=info.codec,
             codec_params=dict(info.params), norm=info.norm, num_tensors=info.num_tensors, stats=result.stats))
         self._remember(manifest)
         self.publish(manifest)

@@ -34,9 +34,10 @@ class PartialProgress:
         if self._progress is None:
             return
         try:
-            done = os.stat(self.path).st_size
+            st = os.stat(self.path)
         except FileNotFoundError:
             return
+        done = min(st.st_size, st.st_blocks * 512)  # a download written piece by piece may have holes
         self._progress.update(self._task, completed=done)
 
     def __exit__(self, *exc: object) -> None:

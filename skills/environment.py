@@ -47,6 +47,8 @@ class EpisodeState:
     started_at: float = field(default_factory=time.time)
     ended: float | None = None
     data: dict[str, Any] = field(default_factory=dict)
+    env_seconds: float = 0.0  # time spent in this episode's environment steps (its tools)
+    batched: bool = False  # played in a batch: waits for other episodes' generation and tools are not its own
 
     def finish(self, outcome: Outcome, stop_reason: str, error: str | None = None) -> None:
         """End the episode (first call wins)."""
@@ -58,10 +60,18 @@ class EpisodeState:
     def seconds(self) -> float:
         return (self.ended or time.monotonic()) - self.started
 
+    @property
+    def charged_seconds(self) -> float:
+        """The time the wall-clock limit counts: all of it when the episode runs alone, only its own
+        environment steps in a batch (whose generation is bounded by tokens, and shared)."""
+        return self.env_seconds if self.batched else self.seconds
+
 
 class Environment:
     """A chat environment with optional tools. With no tools and `max_turns=1` it is single-turn.
 
+    `max_seconds`: the wall-clock limit of an episode; in a batched rollout only its own environment steps
+    count (see `EpisodeState.charged_seconds`), so a slow machine or a large batch never times episodes out.
     `concurrency`: how many episodes may step (and be graded) at once in a rollout batch. Leave it at 1
     unless the tools and the rubric are thread-safe and spend their time waiting (a sandbox subprocess, a
     remote call): then a batch's tool calls overlap instead of queueing."""
@@ -97,14 +107,17 @@ class Environment:
         state.messages.append(Message("assistant", text))
         turn = Turn(index=len(state.turns), text=text)
         state.turns.append(turn)
+        t0 = time.monotonic()
         try:
             observations = self.env_response(state, turn)
         except Exception as e:  # our bug or infrastructure, never the model's doing
             log.warning("environment error in %s: %s", state.task.id, e, exc_info=log.isEnabledFor(logging.DEBUG))
             state.finish("env_error", "env_error", "".join(traceback.format_exception_only(type(e), e)).strip())
             return []
+        finally:
+            state.env_seconds += time.monotonic() - t0
         if not state.done:
-            if state.seconds > self.max_seconds:
+            if state.charged_seconds > self.max_seconds:
                 state.finish("timeout", "wall_clock")
             elif len(state.turns) >= self.max_turns:
                 if self.single_turn:

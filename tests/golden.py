@@ -44,7 +44,7 @@ METHOD_PARAMS: dict[str, dict[str, Any]] = {
 CODEC_CASES: list[tuple[str, str, dict[str, float]]] = [
     ("dense_fp32", "dense_fp32", {}), ("dense_bf16", "dense_bf16", {}), ("dense_fp16", "dense_fp16", {}),
     ("topk16", "topk", {"density": 0.3}), ("topk32", "topk", {"density": 0.5, "value_bits": 32}),
-    ("int8", "int8", {}), ("lora", "lora", {"rank": 3}),
+    ("int8", "int8", {}), ("lora", "lora", {"rank": 3}), ("topk8", "topk", {"density": 0.3, "value_bits": 8}),
 ]
 # (chunk_elems, workers): one row at a time on one thread .. whole tensors on two
 CHUNKINGS = [(1, 1), (37, 2), (1 << 20, 2)]

@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from skillswarm.protocol.transport.blobs import BlobStore, check_sha256, default_blob_root
+from skillswarm.protocol.transport.blobs import (
+    BlobStore, PartialDownload, check_sha256, default_blob_root, partial_pieces_path,
+)
+from skillswarm.protocol.transport.pieces import PIECE_SIZE, tree_hash
 from skillswarm.protocol.errors import BlobError
 
 
@@ -58,3 +61,36 @@ def test_bad_hashes_and_missing_files_raise_blob_errors(tmp_path: Path) -> None:
 def test_default_root_lives_in_the_cache_dir(isolated_home: Path) -> None:
     assert default_blob_root() == isolated_home / "cache" / "blobs"
     assert BlobStore().root == default_blob_root()
+
+
+def test_piece_lists_are_computed_once_cached_and_removed_with_their_blob(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path / "store")
+    data = os.urandom(PIECE_SIZE + 5)
+    sha = store.add_bytes(data)
+    expected = hashlib.sha256(data[:PIECE_SIZE]).digest() + hashlib.sha256(data[PIECE_SIZE:]).digest()
+    assert store.pieces(sha) == expected and store.pieces_path(sha).read_bytes() == expected
+    assert store.tree(sha) == tree_hash(expected)
+    assert list(store) == [sha], "the cache is not a blob"
+    store.remove(sha)
+    assert not store.pieces_path(sha).exists()
+
+
+def test_a_partial_file_written_piece_by_piece_becomes_its_intact_prefix_for_an_appending_fetch(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path / "store")
+    data = os.urandom(3 * PIECE_SIZE + 10)
+    sha = hashlib.sha256(data).hexdigest()
+    part = store.partial_path(sha)
+    part.parent.mkdir(parents=True)
+    with open(part, "wb") as f:  # pieces 0 and 2 written, piece 1 still a hole
+        f.write(data[:PIECE_SIZE])
+        f.seek(2 * PIECE_SIZE)
+        f.write(data[2 * PIECE_SIZE:3 * PIECE_SIZE])
+    pieces = b"".join(hashlib.sha256(data[i:i + PIECE_SIZE]).digest() for i in range(0, len(data), PIECE_SIZE))
+    partial_pieces_path(part).write_bytes(pieces)
+    download = PartialDownload.open(part, store.path(sha), 1.0)
+    try:
+        assert download.offset == PIECE_SIZE == part.stat().st_size
+        assert download.hasher.hexdigest() == hashlib.sha256(data[:PIECE_SIZE]).hexdigest()
+        assert not partial_pieces_path(part).exists()
+    finally:
+        download.close()

@@ -118,6 +118,7 @@ class _Overlapping(Environment):
         with self._lock:
             self.inside += 1
             self.most = max(self.most, self.inside)
+            self.batched = getattr(self, "batched", True) and state.batched
         time.sleep(0.02)
         try:
             return super().env_response(state, turn)
@@ -133,6 +134,7 @@ def test_concurrent_environment_steps_give_the_same_rollouts_in_order(engine: HF
     runs = [run_episodes(engine, dataclasses.replace(calc, env=env), tasks, 0, temperature=1.0, max_new_tokens=24,
                          sample_seed=3) for env in (one, four)]
     assert one.most == 1 and four.most > 1  # steps overlapped only where the environment allows it
+    assert one.batched and four.batched  # a rollout's episodes count only their own time against max_seconds
     for a, b in zip(*runs):
         assert (a.episode.task_id, a.token_ids, a.loss_mask, a.logprobs, a.turn_spans) == \
             (b.episode.task_id, b.token_ids, b.loss_mask, b.logprobs, b.turn_spans)

@@ -25,7 +25,7 @@ def _delta(seed: int = 0) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("codec, params", [("dense_fp32", {}), ("dense_bf16", {}), ("dense_fp16", {}),
                                            ("topk", {"density": 0.3}), ("topk", {"density": 0.3, "value_bits": 32}),
-                                           ("int8", {}), ("lora", {"rank": 4})])
+                                           ("topk", {"density": 0.3, "value_bits": 8}), ("int8", {}), ("lora", {"rank": 4})])
 def test_round_trip_rows_and_self_description(tmp_path: Path, codec: str, params: dict) -> None:
     delta = _delta()
     info = encode_delta(delta, tmp_path / "d.safetensors", codec, base_hash="ab" * 32, skill="math", **params)
@@ -57,6 +57,9 @@ def test_topk_keeps_the_k_largest_with_ties_to_the_lowest_index() -> None:
     parts = encode_tensor("topk", "w", x, {"density": 0.5, "value_bits": 32.0})  # k = 3 of 6
     assert parts["w::idx"].tolist() == [1, 2, 4]  # |-3|, |2|, then the first of the three 1.0 ties
     assert parts["w::val"].tolist() == [-3.0, 1.0, 2.0]
+    eight = encode_tensor("topk", "w", x, {"density": 0.5, "value_bits": 8.0})  # the same entries, int8 values
+    assert eight["w::idx"].tolist() == [1, 2, 4] and eight["w::val"].dtype == torch.int8
+    assert eight["w::val"].tolist() == [-127, 42, 85] and eight["w::vscale"].tolist() == [pytest.approx(3.0 / 127)]
 
 
 def test_int8_uses_per_row_scales() -> None:

@@ -45,6 +45,7 @@ GOLDEN = {
     "decode/lora": "19b809e33f034d69b93b2f11ef46ea5e42e730d3772dd0fa8ef406d433090d1c",
     "decode/topk16": "02e254ad7637edabcc016ea53465e3ac286a032b7207a908978c8f024dd98ba8",
     "decode/topk32": "a292dd7638cb82eb418b95251b6c150edaa601dd899a4e6ab2ef5011b4b8be46",
+    "decode/topk8": "6a1853d27e2f0f5af733e451879cab8c774d12e8213b1e511fa964af423b2701",
     "file/dense_bf16": "6f63bb3fa880ce53c9b978a872ca2f930dceaa83214ab0673a3bdb751437db0b",
     "file/dense_fp16": "0e69e683755c7d20b43f60ba1795a8a0e2da4a3484eef9b29722c4bc985a292e",
     "file/dense_fp32": "70783f5c7039b8bd7891895e98eb92c7109c1c4e6730a5b775547c6ed2ec0b46",
@@ -53,6 +54,7 @@ GOLDEN = {
     "file/merged-bf16": "6f96f1ae47e825ebedc6bd83221102c0d2d570019afea7ee564c293fd00f230e",
     "file/topk16": "f6fed756e2f9a9560ff769961d995156593d8a3ff9cb189122535b984d67749f",
     "file/topk32": "dee0e25eeb1c7f8740f0723b6df89cc14f36efe00994c33aa39c77f82381aee3",
+    "file/topk8": "9ca62187d9938a002f7a64e92d8ee58f3fa12999933f4257f30904f8a34c2946",
     "merge/bf16-base": "9b1a2d4b7b2338fdc827643b8c1a38ebfbbb5340b103edbe5302f5800c786154:"
         "6f96f1ae47e825ebedc6bd83221102c0d2d570019afea7ee564c293fd00f230e",
     "merge/breadcrumbs": "bb1c73f22768d693735f9fdfafb00d81968b3529461ad6fa497741a122b8a837:"
@@ -76,6 +78,7 @@ GOLDEN = {
     "norm/lora": "0x1.21b7d103f40cbp-1",
     "norm/topk16": "0x1.887337d4e6bfcp+0",
     "norm/topk32": "0x1.92245cab4e5c3p+0",
+    "norm/topk8": "0x1.7c2ff26f95d81p+0",
     "screen/norms": (
         "0x1.9a3c24204788fp+0,"
         "0x1.9a2f216946dcfp+0,"
@@ -83,7 +86,8 @@ GOLDEN = {
         "0x1.887337d4e6bfcp+0,"
         "0x1.92245cab4e5c3p+0,"
         "0x1.934c4d10f195cp+0,"
-        "0x1.21b7d103f40cbp-1"),
+        "0x1.21b7d103f40cbp-1,"
+        "0x1.7c2ff26f95d81p+0"),
 }
 
 

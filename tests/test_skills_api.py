@@ -128,6 +128,22 @@ def test_wall_clock_timeout_is_graded_zero() -> None:
     assert ep.outcome == "timeout" and ep.stop_reason == "wall_clock" and ep.reward == 0.0 and not ep.correct
 
 
+def test_in_a_batch_only_the_episode_s_own_environment_time_counts() -> None:
+    class SlowCalc(Calculator):
+        def __call__(self, input: str) -> str:  # noqa: A002
+            time.sleep(0.06)
+            return super().__call__(input)
+
+    for tools, timed_out in (([Calculator()], False), ([SlowCalc()], True)):
+        skill = _skill(Environment(tools=tools, max_turns=5, max_seconds=0.05))
+        state = skill.reset(Task("t", "7", "7"), 0)
+        state.batched = True
+        time.sleep(0.06)  # waiting for the batch's generation: not the episode's own time
+        skill.env.step(state, format_call("calc", "3+4"))
+        assert state.done == timed_out and (state.stop_reason == "wall_clock") == timed_out
+        assert (state.env_seconds >= 0.06) == timed_out and state.seconds >= 0.06
+
+
 def test_single_turn_without_answer_is_ok_and_zero() -> None:
     ep = _play(_skill(Environment(max_turns=1)), ["seven"])
     assert ep.outcome == "ok" and ep.stop_reason == "no_answer" and ep.reward == 0.0 and len(ep.messages) == 2

@@ -2,7 +2,8 @@
 each a separate `skillswarm` process on 127.0.0.1, one short round. A rogue peer publishes a
 checkpoint manifest signed by an untrusted key; workers and the puller must ignore it. The network
 ships LoRA deltas, and a verifier with another thread count and chunk size (standing in for another
-CPU) recomputes the merge to the same bits."""
+CPU) recomputes the merge to the same bits: one worker trains a LoRA adapter (--lora) and the other
+fine-tunes fully, both publish PEFT adapters; a second puller takes the checkpoint as a PEFT adapter."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from skillswarm.protocol.codec import decode_record
 from skillswarm.protocol.hashing import weights_hash
@@ -93,7 +95,8 @@ def test_one_round_end_to_end(nano_model: Path, tmp_path: Path) -> None:
         workers = {}
         for skill in ("reverse", "sort"):
             workers[skill] = _start(["node", "run", *join, "--skill", skill, "--rounds", "1", "--group-size", "4",
-                                     "--batch", "2", "--threads", "1", "--eval-n", "16", "--no-progress"],
+                                     "--batch", "2", "--threads", "1", "--eval-n", "16", "--no-progress",
+                                     *(["--lora"] if skill == "reverse" else [])],
                                     tmp_path / f"h-{skill}", logs / f"{skill}.log")
             procs.append(workers[skill])
         everyone = _descendants(procs)
@@ -109,6 +112,9 @@ def test_one_round_end_to_end(nano_model: Path, tmp_path: Path) -> None:
         pulled = run_cli("pull", "--network", str(spec_file), "--peers", maddr, "--out", str(out), "--json", timeout=180,
                          env={"SKILLSWARM_HOME": str(tmp_path / "h-puller")})
         assert json.loads(pulled.stdout)["version"] == 1  # not the untrusted v7
+        adapter = run_cli("pull", "--network", str(spec_file), "--peers", maddr, "--out", str(tmp_path / "adapter"),
+                          "--adapter", "--rank", "8", "--json", timeout=180, env={"SKILLSWARM_HOME": str(tmp_path / "h-puller")})
+        assert json.loads(adapter.stdout)["adapter"]["rank"] == 8
 
         verified = run_cli("coordinator", "run", "--verify", "--json", "--threads", "1", "--chunk-elems", "1000",
                            *join, timeout=180, env={"SKILLSWARM_HOME": str(tmp_path / "h-verifier")})
@@ -140,3 +146,10 @@ def test_one_round_end_to_end(nano_model: Path, tmp_path: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(out)
     tok = AutoTokenizer.from_pretrained(out)
     assert model.config.model_type == "llama" and tok("abc")["input_ids"]
+
+    from peft import PeftModel
+
+    trained = next((tmp_path / "h-reverse").rglob("adapter/adapter_config.json")).parent  # the --lora worker's
+    for path in (trained, tmp_path / "adapter"):
+        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(nano_model), str(path))
+        assert peft_model(input_ids=torch.tensor([tok("abc")["input_ids"]])).logits.isfinite().all()

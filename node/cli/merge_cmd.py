@@ -8,7 +8,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from skillswarm.node.cli.common import JsonOpt, console, fail, print_json, table
+from skillswarm.node.cli.common import JsonOpt, console, err_console, fail, print_json, table
 from skillswarm.protocol.records import CODECS, MERGE_METHODS
 
 app = typer.Typer(help="Merge models and deltas, make and apply deltas, analyze them.", no_args_is_help=True)
@@ -111,21 +111,43 @@ def make_delta(
     out: Annotated[Path, typer.Option(help="Delta file to write (.safetensors).")],
     codec: Annotated[str, typer.Option(help=f"Codec: {', '.join(CODECS)}.")] = "dense_bf16",
     density: Annotated[Optional[float], typer.Option(help="topk: fraction of entries kept (default 0.1).")] = None,
-    value_bits: Annotated[Optional[int], typer.Option(help="topk: 16 (bfloat16) or 32 bit values.")] = None,
+    value_bits: Annotated[Optional[int], typer.Option(help="topk: 8 (int8, one scale per tensor), 16 (bfloat16) or 32 bit values.")] = None,
     rank: Annotated[Optional[int], typer.Option(help="lora: rank of the factors (default 16).")] = None,
+    adapter_out: Annotated[Optional[Path], typer.Option(help="lora: also write a PEFT adapter directory here "
+                                                        "(PeftModel.from_pretrained(base_model, DIR)).")] = None,
     base_hash: Annotated[Optional[str], typer.Option(help="Record the base's weights hash in the delta.")] = None,
     skill: Annotated[Optional[str], typer.Option(help="Record the skill the delta was trained on.")] = None,
+    force: Force = False,
     no_progress: NoProgress = False,
     json: JsonOpt = False,
 ) -> None:
-    """Write tuned - base as a delta file; print its size and reconstruction error."""
+    """Write tuned - base as a delta file; print its size and reconstruction error. With --codec lora the file
+    is a PEFT adapter (adapter_model.safetensors, config in its metadata): rank-R SVD factors of each linear
+    layer's change; norms and embeddings stay the base's (their change counts in rel_error)."""
     from skillswarm.merge.deltas import compute_delta
 
+    if adapter_out is not None and codec != "lora":
+        fail(f"--adapter-out writes a PEFT LoRA adapter; it needs --codec lora, not {codec}")
     params = {k: v for k, v in (("density", density), ("value_bits", value_bits), ("rank", rank)) if v is not None}
-    info = compute_delta(base, tuned, out, codec, base_hash=base_hash, skill=skill,
+    targets = None
+    if codec == "lora":
+        from skillswarm.node.adapter import model_targets
+        from skillswarm.protocol.errors import ModelError
+
+        try:
+            targets = model_targets(base)
+        except ModelError as e:  # not a transformers model: the lora codec's own layout, every matrix factored
+            if adapter_out is not None:
+                fail(f"{e}; a PEFT adapter needs the model's architecture")
+            err_console.print(f"note: {e}; writing the lora codec's own layout (not a PEFT adapter)", highlight=False)
+    info = compute_delta(base, tuned, out, codec, base_hash=base_hash, skill=skill, adapter_targets=targets,
                          progress=not no_progress and not json, **params)
     data = {"path": str(info.path), "sha256": info.sha256, "size": info.size, "codec": info.codec,
             "params": info.params, "norm": info.norm, "num_tensors": info.num_tensors, "rel_error": info.error}
+    if adapter_out is not None:
+        from skillswarm.merge.peft_format import write_adapter_dir
+
+        data["adapter"] = str(write_adapter_dir(out, adapter_out, base_model=str(base), overwrite=force))
     if json:
         print_json(data)
         return

@@ -11,8 +11,8 @@ import typer
 from skillswarm.node.cli.common import JsonOpt, KeyOpt, console, fail, print_json, table
 from skillswarm.protocol.identity import Identity, fingerprint
 from skillswarm.protocol.netspec import load_spec, save_spec
-from skillswarm.protocol.records import (ADMISSIONS, CODECS, MERGE_METHODS, MergePolicy, NetworkSpec, RoundPolicy,
-                                         ScreenPolicy, TrustPolicy)
+from skillswarm.protocol.records import (ADMISSIONS, CODECS, DEFAULT_CODEC, MERGE_METHODS, MergePolicy, NetworkSpec,
+                                         RoundPolicy, ScreenPolicy, TrustPolicy)
 
 _SCREEN, _TRUST = ScreenPolicy(), TrustPolicy()  # the policies' own defaults, shown in --help
 
@@ -52,7 +52,7 @@ def init(
     method: Annotated[str, typer.Option(help=f"Merge method: {', '.join(MERGE_METHODS)}.")] = "ties",
     density: Annotated[float, typer.Option(help="Fraction of each delta kept by ties/dare/breadcrumbs.")] = 0.2,
     scale: Annotated[float, typer.Option("--lambda", help="Scale of the merged task vector.")] = 1.0,
-    codec: Annotated[str, typer.Option(help=f"Delta codec workers publish: {', '.join(CODECS)}.")] = "dense_bf16",
+    codec: Annotated[str, typer.Option(help=f"Delta codec workers publish: {', '.join(CODECS)}.")] = DEFAULT_CODEC,
     steps_per_round: Annotated[int, typer.Option(help="Training steps per round.")] = 20,
     min_deltas: Annotated[int, typer.Option(help="Deltas a coordinator waits for before merging.")] = 1,
     max_wait: Annotated[float, typer.Option(help="Seconds a round waits at most.")] = 900.0,

@@ -1,4 +1,5 @@
-"""`skillswarm train`: async multi-turn GRPO on one skill shard; writes the trained model and its delta."""
+"""`skillswarm train`: async multi-turn GRPO on one skill shard; writes the trained model and its delta
+(and, with --lora, the PEFT adapter)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ def train_cmd(
     model: Annotated[Optional[Path], typer.Option(help="Starting model directory (HF format). Default: the nano base.")] = None,
     steps: Annotated[int, typer.Option(help="Optimizer steps (the run also stops at --max-minutes).", min=0)] = 1000,
     out: Annotated[Path, typer.Option(help="Run directory: metrics, checkpoints, trained model, delta.")] = Path("runs/train"),
-    lora: Annotated[bool, typer.Option("--lora", help="Train LoRA adapters (peft) instead of every weight.")] = False,
+    lora: Annotated[bool, typer.Option("--lora", help="Train a LoRA adapter (peft) instead of every weight; writes "
+                                       "OUT/adapter, a PEFT adapter directory (PeftModel.from_pretrained).")] = False,
     lora_rank: Annotated[int, typer.Option(help="LoRA rank.", min=1)] = 8,
     group_size: Annotated[int, typer.Option(help="Episodes per task (a group, same environment seed).", min=2)] = 16,
     batch: Annotated[int, typer.Option(help="Groups (tasks) per step, and per generation batch.", min=1)] = 8,
@@ -37,11 +39,13 @@ def train_cmd(
     sync: Annotated[bool, typer.Option("--sync", help="Generate and train in lock-step (no overlap), for comparison.")] = False,
     async_mode: Annotated[str, typer.Option(help="Where async generation runs: auto, process or thread.")] = "auto",
     threads: Annotated[Optional[int], typer.Option(help="Torch threads per process (default: 1 for small models).")] = None,
-    codec: Annotated[str, typer.Option(help="Delta codec (dense_bf16, dense_fp32, topk, int8, lora, ...).")] = "dense_bf16",
+    codec: Annotated[Optional[str], typer.Option(help="Delta codec (dense_bf16, dense_fp32, topk, int8, lora, ...). "
+                                                 "Default: lora with --lora (the adapter itself), else dense_bf16.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Train a model on one skill with GRPO (async by default); writes OUT/model and OUT/delta.safetensors."""
+    """Train a model on one skill with GRPO (async by default); writes OUT/model and OUT/delta.safetensors
+    (with --lora also OUT/adapter, a PEFT adapter directory)."""
     from skillswarm.node.cli.eval_cmd import _default_model
     from skillswarm.node.train import TrainConfig, train
 
@@ -51,7 +55,7 @@ def train_cmd(
                       temperature=temperature, max_new_tokens=max_new_tokens, max_minutes=max_minutes,
                       eval_every=eval_every, eval_n=eval_n, save_every=save_every, seed=seed, engine=engine, sync=sync,
                       async_mode=async_mode,
-                      threads=threads, codec=codec, resume=resume)
+                      threads=threads, resume=resume, **({"codec": codec} if codec else {"codec": "lora"} if lora else {}))
     if not json_out:
         err_console.print(f"training [bold]{skill}[/] on {cfg.model_dir} ({cfg.mode()}, {engine}"
                           f"{', LoRA' if lora else ''}) -> {out}", highlight=False)
@@ -61,6 +65,7 @@ def train_cmd(
             "delta": None if result.delta is None else {"path": str(result.delta.path), "sha256": result.delta.sha256,
                                                         "size": result.delta.size, "codec": result.delta.codec,
                                                         "norm": result.delta.norm},
+            "adapter": None if result.adapter_dir is None else str(result.adapter_dir),
             "stats": {f: getattr(stats, f) for f in stats.__struct_fields__}}
     if json_out:
         print_json(data)
@@ -72,4 +77,6 @@ def train_cmd(
                       f"({(stats.accuracy_after - stats.accuracy_before) * 100:+.1f} points, n={stats.eval_n})", highlight=False)
     if result.delta is not None:
         console.print(f"delta {result.delta.path} ({result.delta.codec}, {result.delta.size:,} bytes)", highlight=False)
+    if result.adapter_dir is not None:
+        console.print(f"PEFT adapter {result.adapter_dir} (PeftModel.from_pretrained(base, path))", highlight=False)
     console.print(f"plots: skillswarm report {result.run_dir}", highlight=False)

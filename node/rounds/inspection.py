@@ -46,7 +46,7 @@ class Inspect:
             claimed = c.manifest.norm
             if abs(claimed - a.norm) > CLAIM_TOLERANCE * max(a.norm, 1e-12):
                 ctx.reject(c, self.name, f"its manifest claims norm {claimed:.6g}, the file's is {a.norm:.6g}")
-            elif c.manifest.codec != spec.codec:
+            elif c.manifest.codec not in (spec.codec, "lora"):  # a LoRA worker's adapter is its exact delta
                 ctx.reject(c, self.name, f"encoded with {c.manifest.codec}; the network's codec is {spec.codec}")
             else:
                 passed.append(c)

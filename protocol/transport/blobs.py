@@ -2,9 +2,11 @@
 
 A blob appears under its final name only complete and verified (hashed while copied to a temp file,
 then renamed). Downloads in progress live in `.partial/` under the store (`PartialDownload`: locked,
-hashed as it grows), so an interrupted fetch resumes from the bytes it already has. A store may be
-capped (`max_bytes`): a blob is refused before its first byte is written unless it fits under the cap
-and leaves the filesystem a margin free; `prune` and `remove` make room.
+hashed as it grows), so an interrupted fetch resumes from the bytes it already has; a download from
+several providers writes verified pieces in place instead (`pieces`, `swarm`) and keeps its piece list
+beside the partial file. Each blob's piece list is cached in `.pieces/` for serving. A store may be capped
+(`max_bytes`): a blob is refused before its first byte is written unless it fits under the cap and leaves
+the filesystem a margin free; `prune` and `remove` make room.
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from skillswarm.protocol.atomic import WriteBehind, atomic_open
+from skillswarm.protocol.atomic import WriteBehind, atomic_open, atomic_write_bytes
 from skillswarm.protocol.errors import BlobError
 from skillswarm.protocol.hashing import CHUNK, sha256_file
 from skillswarm.protocol.paths import cache_dir
+from skillswarm.protocol.transport.pieces import (
+    DIGEST, PIECE_SIZE, file_pieces, held_pieces, piece_count, tree_hash,
+)
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 SYNC_EVERY = 16 << 20  # bytes a download appends between write-back steps
@@ -151,6 +156,7 @@ class BlobStore:
         """Delete a blob and any partial download of it (no error if absent); a partial download that a
         fetch is writing right now stays."""
         self.path(sha).unlink(missing_ok=True)
+        self.pieces_path(sha).unlink(missing_ok=True)
         part = self.partial_path(sha)
         try:
             f = open(part, "rb")
@@ -162,6 +168,7 @@ class BlobStore:
             except BlockingIOError:
                 return
             part.unlink(missing_ok=True)
+            partial_pieces_path(part).unlink(missing_ok=True)
 
     def prune(self, keep: Iterable[str]) -> int:
         """Delete every complete blob whose sha256 is not in `keep` and return the bytes freed (partial
@@ -179,6 +186,7 @@ class BlobStore:
                 path.unlink()
             except FileNotFoundError:  # removed meanwhile
                 continue
+            self.pieces_path(sha).unlink(missing_ok=True)
             freed += size
         return freed
 
@@ -194,7 +202,7 @@ class BlobStore:
                 for entry in entries:
                     with contextlib.suppress(OSError):  # renamed or removed meanwhile
                         if entry.is_file(follow_symlinks=False):
-                            total += entry.stat(follow_symlinks=False).st_size
+                            total += held_bytes(entry.stat(follow_symlinks=False))
         return total
 
     def check_room(self, size: int, sha: str | None = None, *, new_disk_bytes: bool = True) -> None:
@@ -241,7 +249,7 @@ class BlobStore:
 
     def _partial_bytes(self, sha: str | None) -> int:
         try:
-            return self.partial_path(sha).stat().st_size if sha else 0
+            return held_bytes(self.partial_path(sha).stat()) if sha else 0
         except FileNotFoundError:
             return 0
 
@@ -264,6 +272,42 @@ class BlobStore:
     def partial_path(self, sha: str) -> Path:
         """Where an in-progress download of `sha` accumulates (resumed from its size)."""
         return self.root / ".partial" / f"{check_sha256(sha)}.part"
+
+    def pieces_path(self, sha: str) -> Path:
+        """Where the piece list of blob `sha` is cached (see `pieces`)."""
+        return self.root / ".pieces" / check_sha256(sha)
+
+    def pieces(self, sha: str) -> bytes:
+        """The piece list of a blob this store holds: cached, else computed from the blob and cached."""
+        size = self.size(sha)
+        try:
+            cached = self.pieces_path(sha).read_bytes()
+            if len(cached) == piece_count(size) * DIGEST:
+                return cached
+        except FileNotFoundError:
+            pass
+        data = file_pieces(self.path(sha))
+        self.save_pieces(sha, data)
+        return data
+
+    def save_pieces(self, sha: str, piece_list: bytes) -> None:
+        """Cache the (verified) piece list of blob `sha`."""
+        atomic_write_bytes(self.pieces_path(sha), piece_list)
+
+    def tree(self, sha: str) -> str:
+        """The tree hash of a blob this store holds (what a publisher puts in `FileEntry.tree`)."""
+        return tree_hash(self.pieces(sha))
+
+
+def partial_pieces_path(part: Path) -> Path:
+    """Where a download from several providers keeps its verified piece list, beside its partial file; its
+    presence also says the partial file was written piece by piece (it may have holes)."""
+    return part.with_suffix(".pieces")
+
+
+def held_bytes(st: os.stat_result) -> int:
+    """The bytes a file really holds on disk: a partial file written piece by piece may have holes."""
+    return min(st.st_size, st.st_blocks * 512) if hasattr(st, "st_blocks") else st.st_size
 
 
 class PartialDownload:
@@ -294,6 +338,7 @@ class PartialDownload:
                 f.close()
                 return None
             part = cls(path, f)
+            _keep_intact_prefix(f, path)
             f.seek(0)
             while block := f.read(CHUNK):
                 part.hasher.update(block)
@@ -325,3 +370,18 @@ class PartialDownload:
         self.file.close()
         if remove:
             self.path.unlink(missing_ok=True)
+
+
+def _keep_intact_prefix(f: Any, part: Path) -> None:
+    """A partial file written piece by piece (its piece list beside it) may have holes: an appending download
+    keeps only the pieces that are intact from its start, and the file becomes an ordinary prefix."""
+    listed = partial_pieces_path(part)
+    try:
+        piece_list = listed.read_bytes()
+    except FileNotFoundError:
+        return
+    length = min(os.fstat(f.fileno()).st_size, len(piece_list) // DIGEST * PIECE_SIZE)
+    have = held_pieces(f.fileno(), length, piece_list)  # a cut last piece counts only if it is the blob's end
+    keep = next((i for i, ok in enumerate(have) if not ok), len(have)) * PIECE_SIZE
+    f.truncate(min(keep, length))
+    listed.unlink(missing_ok=True)

@@ -393,9 +393,14 @@ class SwarmDHT:
             raise BlobError(f"blob {sha[:12]} is not in {store.root}; add it with BlobStore.add_file first")
         if self._store is None or self._store.root != store.root:
             self.serve_blobs(store)
+        store.pieces(sha)  # its piece list, ready for fetchers that download piece by piece
+        return self._announce(sha, store.size(sha), ttl)
+
+    def _announce(self, sha: str, size: int, ttl: float = 600.0) -> ProviderRecord:
+        """Keep a ProviderRecord for blob `sha` in the DHT (also while a download of it into the served store
+        is in flight: its verified pieces are served), until `unprovide`."""
         record = self.identity.sign_record(ProviderRecord(
-            network=self._net, peer_id=self.identity.peer_id, blob=sha, size=store.size(sha),
-            addrs=self.visible_maddrs()[:16]))
+            network=self._net, peer_id=self.identity.peer_id, blob=sha, size=size, addrs=self.visible_maddrs()[:16]))
         self.put(record, ttl, keep=True)
         return record
 
@@ -407,33 +412,34 @@ class SwarmDHT:
     def fetch(self, sha: str, *, size: int | None = None, max_size: int, store: BlobStore | None = None,
               providers: Sequence[str | ProviderRecord] | None = None, progress: bool = True,
               stall_timeout: float = 30.0, min_rate: float | None = None, deadline_s: float | None = None,
-              grace_s: float | None = None) -> Path:
+              grace_s: float | None = None, tree: str | None = None) -> Path:
         """Download blob `sha` into `store` and return its path there; see `fetch_report`."""
         return Path(self.fetch_report(sha, size=size, max_size=max_size, store=store, providers=providers,
                                       progress=progress, stall_timeout=stall_timeout, min_rate=min_rate,
-                                      deadline_s=deadline_s, grace_s=grace_s).path)
+                                      deadline_s=deadline_s, grace_s=grace_s, tree=tree).path)
 
     def fetch_report(self, sha: str, *, size: int | None = None, max_size: int, store: BlobStore | None = None,
                      providers: Sequence[str | ProviderRecord] | None = None, progress: bool = True,
                      stall_timeout: float = 30.0, min_rate: float | None = None, deadline_s: float | None = None,
-                     grace_s: float | None = None) -> Any:
+                     grace_s: float | None = None, tree: str | None = None) -> Any:
         """Download blob `sha` (providers: peer ids or ProviderRecords; default: looked up in the DHT),
         verifying its sha256 before it gets its final name, resuming after broken streams, moving on from
         providers that fail, lie or trickle, refusing more than `max_size` bytes or more than `store` has room
-        for. It ends by `deadline_s` (default: `grace_s` + size / `min_rate`, from `wire.GRACE_S` and
-        `wire.MIN_RATE`; `max_size` stands for an unknown size). Returns a `FetchReport`."""
+        for. With `tree` (the tree hash from the record naming the blob) it downloads from every provider at
+        once, verifying each piece (`swarm`). It ends by `deadline_s` (default: `grace_s` + size / `min_rate`,
+        from `wire.GRACE_S` and `wire.MIN_RATE`; `max_size` stands for an unknown size). Returns a `FetchReport`."""
         from skillswarm.protocol.transport.downloads import fetch_one
 
         return fetch_one(self, sha, size=size, max_size=max_size, store=store or BlobStore(), providers=providers,
                          progress=progress, stall_timeout=stall_timeout, min_rate=min_rate, deadline_s=deadline_s,
-                         grace_s=grace_s)
+                         grace_s=grace_s, tree=tree)
 
     def fetch_many(self, items: Iterable[tuple[str, int | None, int]], *, budget_s: float,
                    store: BlobStore | None = None, max_parallel: int = 4, progress: bool = False,
                    min_rate: float | None = None, grace_s: float | None = None,
                    stall_timeout: float = 30.0) -> dict[str, Path | BlobError]:
-        """Fetch (sha, size or None, max_size) items at most `max_parallel` at once, each under its own deadline
-        and all within `budget_s` (what is not done by then is stopped); sha -> its Path or its BlobError."""
+        """Fetch (sha, size or None, max_size[, tree hash]) items at most `max_parallel` at once, each under its own
+        deadline and all within `budget_s` (what is not done by then is stopped); sha -> its Path or its BlobError."""
         from skillswarm.protocol.transport.downloads import fetch_many
 
         return fetch_many(self, items, budget_s=budget_s, store=store or BlobStore(), max_parallel=max_parallel,

@@ -1,9 +1,10 @@
 """The caller's side of blob downloads: what `SwarmDHT.fetch_report` and `SwarmDHT.fetch_many` run.
 
 `fetch_one` finds the providers, refuses a blob the store has no room for before any byte moves, starts
-`fetcher.fetch_blob` in the DHT process under its deadline (GRACE_S + size / MIN_RATE unless given) and
-waits for it; if the caller stops waiting, the fetch is cancelled there too. `fetch_many` runs a round's
-fetches concurrently under one time budget: what is not done when the budget ends is cancelled, keeps its
+the download in the DHT process under its deadline (GRACE_S + size / MIN_RATE unless given) and waits for
+it: `swarm.fetch_pieces` (every provider at once, piece by piece) when the caller knows the blob's tree
+hash, else `fetcher.fetch_blob` (one provider at a time); if the caller stops waiting, the fetch is
+cancelled there too. `fetch_many` runs a round's fetches concurrently under one time budget: what is not done when the budget ends is cancelled, keeps its
 bytes for a later resume, and comes back as a `BlobError`, like every other failed blob.
 """
 
@@ -18,11 +19,12 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from skillswarm.protocol.transport.blobs import BlobStore, check_sha256
+from skillswarm.protocol.transport.blobs import BlobStore, check_sha256, held_bytes
 from skillswarm.protocol.errors import BlobError, NetworkError
 from skillswarm.protocol.transport.fetcher import cancel_fetches, fetch_blob
 from skillswarm.protocol.progress import PartialProgress
 from skillswarm.protocol.records import ProviderRecord
+from skillswarm.protocol.transport.swarm import add_sources, fetch_pieces
 from skillswarm.protocol.transport.wire import GRACE_S, MIN_RATE, FetchReport, Source, deadline_for
 
 if TYPE_CHECKING:
@@ -30,7 +32,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Item = tuple[str, "int | None", int]  # (sha, size or None when unknown, max_size)
+Item = tuple  # (sha, size or None when unknown, max_size[, tree hash or None])
+ANNOUNCE_TTL_S = 120.0  # a download's provider record: short, so one left by a failed download soon expires
+REFRESH_S = 3.0  # how often a piece-by-piece download re-reads who provides the blob, so late announcers join
 
 
 def _limits(min_rate: Any, deadline_s: Any, grace_s: Any, stall_timeout: Any) -> tuple[float, float]:
@@ -52,10 +56,16 @@ def _byte_count(name: str, value: Any) -> None:
 def fetch_one(dht: SwarmDHT, sha: str, *, size: int | None, max_size: int, store: BlobStore,
               providers: Sequence[str | ProviderRecord] | None, progress: bool, stall_timeout: float,
               min_rate: float | None, deadline_s: float | None, grace_s: float | None,
-              token: str | None = None) -> FetchReport:
+              token: str | None = None, tree: str | None = None) -> FetchReport:
     """Download one blob through `dht` (see `SwarmDHT.fetch_report`); `token` names the fetch for
-    `fetcher.cancel_fetches`."""
+    `fetcher.cancel_fetches`; with `tree` (its tree hash) from every provider at once."""
     check_sha256(sha)
+    if tree is not None:
+        try:
+            check_sha256(tree)
+        except BlobError:
+            raise BlobError(f"tree={tree!r} is not a tree hash (64 lower-case hex characters); give the "
+                            "`tree` of the record that names the blob, or None") from None
     if store.has(sha):
         return FetchReport(path=str(store.path(sha)), sha=sha, size=store.size(sha), already_present=True)
     min_rate, grace_s = _limits(min_rate, deadline_s, grace_s, stall_timeout)
@@ -63,6 +73,7 @@ def fetch_one(dht: SwarmDHT, sha: str, *, size: int | None, max_size: int, store
     if size is not None:
         _byte_count("size", size)
     token = token or uuid.uuid4().hex
+    refresh = providers is None and tree is not None  # a list the caller gave is the whole list
     if providers is None:
         providers = dht.get_providers(sha)
     sources = [Source(p) if isinstance(p, str) else Source(p.peer_id, tuple(p.addrs), p.size) for p in providers]
@@ -74,18 +85,58 @@ def fetch_one(dht: SwarmDHT, sha: str, *, size: int | None, max_size: int, store
     if deadline_s is None:
         deadline_s = deadline_for(size if size is not None else max_size, min_rate, grace_s)
     # SwarmDHT's own submit and wait: one pipe to the DHT process, one waiting loop.
-    future = dht._submit(fetch_blob, dict(
-        sha=sha, sources=sources, root=str(store.root), size=size, max_size=max_size, stall_s=stall_timeout,
-        deadline_s=deadline_s, min_rate=min_rate, grace_s=grace_s, max_bytes=store.max_bytes, token=token))
+    args = dict(sha=sha, sources=sources, root=str(store.root), size=size, max_size=max_size, stall_s=stall_timeout,
+                deadline_s=deadline_s, min_rate=min_rate, grace_s=grace_s, max_bytes=store.max_bytes, token=token)
+    announced = _announce_download(dht, sha, size, store, tree)
+    future = dht._submit(fetch_blob, args) if tree is None else dht._submit(fetch_pieces, {**args, "tree": tree})
     try:
         with PartialProgress(store.partial_path(sha), size, f"blob {sha[:12]}", enabled=progress) as bar:
             # The DHT process keeps the deadline; this wait only backs it up.
-            return dht._wait(future, deadline_s + stall_timeout + 30, tick=bar.update)
+            tick = _refresher(dht, sha, store, bar.update) if refresh else bar.update
+            return dht._wait(future, deadline_s + stall_timeout + 30, tick=tick)
     except BlobError:
+        if announced and not store.has(sha):
+            dht.unprovide(sha)
         raise
     except BaseException:  # the caller stopped waiting (interrupted, or no answer): stop the bytes too
         _cancel(dht, [token], "its caller stopped waiting")
+        if announced and not store.has(sha):
+            dht.unprovide(sha)
         raise
+
+
+def _refresher(dht: SwarmDHT, sha: str, store: BlobStore, update: Any) -> Any:
+    """A wait loop's tick: `update` the progress and, every REFRESH_S, hand the download in flight the providers
+    the DHT lists now (nodes that started pulling the blob after it did serve the pieces they hold)."""
+    last = time.monotonic()
+
+    def tick() -> None:
+        nonlocal last
+        update()
+        if time.monotonic() - last < REFRESH_S:
+            return
+        last = time.monotonic()
+        try:
+            found = [Source(p.peer_id, tuple(p.addrs), p.size) for p in dht.get_providers(sha)]
+            dht._submit(add_sources, dict(root=str(store.root), sha=sha, sources=found))  # no need to wait for it
+        except Exception:  # a DHT hiccup must not stop the download itself
+            logger.debug("could not re-read the providers of blob %s", sha[:12], exc_info=True)
+
+    return tick
+
+
+def _announce_download(dht: SwarmDHT, sha: str, size: int | None, store: BlobStore, tree: str | None) -> bool:
+    """A node that serves the store it downloads into announces itself as a provider of a blob it fetches
+    piece by piece as the download starts, so other fetchers take the pieces it holds from it (a checkpoint
+    spreads from every worker pulling it, not from its coordinator alone). True if it did."""
+    if tree is None or size is None or dht._store is None or dht._store.root != store.root:
+        return False
+    try:
+        dht._announce(sha, size, ANNOUNCE_TTL_S)
+    except Exception:  # a DHT hiccup must not stop the download itself
+        logger.debug("could not announce blob %s while fetching it", sha[:12], exc_info=True)
+        return False
+    return True
 
 
 def _cancel(dht: SwarmDHT, tokens: list[str], why: str) -> None:
@@ -96,16 +147,17 @@ def _cancel(dht: SwarmDHT, tokens: list[str], why: str) -> None:
 
 
 def _items(items: Iterable[Item]) -> list[Item]:
-    """The items as (sha, size, max_size) tuples, each sha once; `BlobError` if they are not such tuples."""
+    """The items as (sha, size, max_size, tree) tuples, each sha once; `BlobError` if they are not such tuples."""
     wanted: dict[str, Item] = {}
     try:
-        for sha, size, max_size in items:
+        for item in items:
+            sha, size, max_size, tree = item if len(item) == 4 else (*item, None)
             if not isinstance(sha, str):
                 raise TypeError
-            wanted.setdefault(sha, (sha, size, max_size))
+            wanted.setdefault(sha, (sha, size, max_size, tree))
     except (TypeError, ValueError):
-        raise BlobError("fetch_many takes (sha, size or None, max_size) tuples, e.g. "
-                        "[(delta.blob, delta.size, 1 << 30)]") from None
+        raise BlobError("fetch_many takes (sha, size or None, max_size) tuples, or (sha, size, max_size, tree hash) "
+                        "ones to fetch from every provider at once, e.g. [(delta.blob, delta.size, 1 << 30)]") from None
     return list(wanted.values())
 
 
@@ -124,20 +176,20 @@ def fetch_many(dht: SwarmDHT, items: Iterable[Item], *, budget_s: float, store: 
         raise NetworkError("the DHT peer is not running; call start() first")
     why = f"the round's fetch budget of {budget_s:g} s ran out"
     end = time.monotonic() + budget_s
-    tokens = {sha: uuid.uuid4().hex for sha, _, _ in wanted}
+    tokens = {item[0]: uuid.uuid4().hex for item in wanted}
     stop = threading.Event()
 
-    def one(sha: str, size: int | None, max_size: int) -> Path:
+    def one(sha: str, size: int | None, max_size: int, tree: str | None) -> Path:
         if stop.is_set():
             raise BlobError(f"blob {sha[:12]}: {why} before its fetch started")
         return Path(fetch_one(dht, sha, size=size, max_size=max_size, store=store, providers=None, progress=False,
                               stall_timeout=stall_timeout, min_rate=min_rate, deadline_s=None, grace_s=grace_s,
-                              token=tokens[sha]).path)
+                              token=tokens[sha], tree=tree).path)
 
     pool = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="fetch-many")
     futures = {pool.submit(one, *item): item[0] for item in wanted}
     try:
-        with _RoundProgress(store, [sha for sha, _, _ in wanted], [s for _, s, _ in wanted], progress) as bar:
+        with _RoundProgress(store, [item[0] for item in wanted], [item[1] for item in wanted], progress) as bar:
             pending = set(futures)
             while pending and (left := end - time.monotonic()) > 0:
                 _, pending = wait(pending, timeout=min(0.2, left), return_when=FIRST_COMPLETED)
@@ -178,7 +230,7 @@ class _RoundProgress(PartialProgress):
 def _held(store: BlobStore, sha: str) -> int:
     for path in (store.path, store.partial_path):
         try:
-            return path(sha).stat().st_size
+            return held_bytes(path(sha).stat())
         except (FileNotFoundError, BlobError):
             continue
     return 0

@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import hivemind
 import msgspec
@@ -68,7 +68,7 @@ class _Clock:
         self.deadline_s, self.min_rate, self.grace_s = deadline_s, min_rate, grace_s
         self.deadline = self.start + deadline_s
         self.cancelled = ""  # why, once cancelled
-        self._sock: socket.socket | None = None
+        self._socks: set[socket.socket] = set()
         self._lock = threading.Lock()
 
     def left(self) -> float:
@@ -79,19 +79,27 @@ class _Clock:
         if self.cancelled or self.left() <= 0:
             raise _Stopped
 
-    def watch(self, sock: socket.socket | None) -> None:
-        """`sock` is the stream to shut down on cancel (None: no stream is open)."""
+    def watch(self, sock: socket.socket) -> None:
+        """`sock` is a stream to shut down on cancel, until `unwatch`."""
         with self._lock:
-            self._sock = sock
-        if sock is not None:
-            self.check()
+            self._socks.add(sock)
+        self.check()
+
+    def unwatch(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._socks.discard(sock)
 
     def cancel(self, why: str) -> None:
         with self._lock:
             self.cancelled = why
-            if self._sock is not None:
+        self.hang_up()
+
+    def hang_up(self) -> None:
+        """Shut every open stream down (cancelled, or the download needs nothing more from them)."""
+        with self._lock:
+            for sock in self._socks:
                 with contextlib.suppress(OSError):
-                    self._sock.shutdown(socket.SHUT_RDWR)
+                    sock.shutdown(socket.SHUT_RDWR)
 
 
 class _Room:
@@ -238,7 +246,7 @@ def _receive(control_path: str, src: Source, sha: str, part: PartialDownload, si
         clock.check()
         raise _Transient(f"stream broke at byte {part.offset} ({type(e).__name__}: {e})") from None
     finally:
-        clock.watch(None)
+        clock.unwatch(sock)
         sock.close()
         if part.offset > start:
             report.segments.append((src.peer_id, start, part.offset))
@@ -304,6 +312,14 @@ async def fetch_blob(
     if deadline_s is None:
         deadline_s = deadline_for(size if size is not None else max_size, min_rate, grace_s)
     clock = _Clock(deadline_s, min_rate, grace_s)
+    with tracked(dht, token, clock, sha):
+        return await _fetch(node, sha, sources, store, final, size, max_size, stall_s, max_attempts, clock)
+
+
+@contextlib.contextmanager
+def tracked(dht: hivemind.DHT, token: str | None, clock: _Clock, sha: str) -> Iterator[None]:
+    """(In the DHT process) let `cancel_fetches` reach this fetch by its `token` while the block runs; a fetch
+    cancelled before it started raises `BlobError` at once."""
     running = _running(dht)
     if token is not None:
         early = running.pop(token, None)
@@ -311,7 +327,7 @@ async def fetch_blob(
             raise BlobError(f"blob {sha[:12]}: {early[0]} before its fetch started")
         running[token] = clock
     try:
-        return await _fetch(node, sha, sources, store, final, size, max_size, stall_s, max_attempts, clock)
+        yield
     finally:
         if token is not None:
             running.pop(token, None)
@@ -338,7 +354,7 @@ async def _fetch(node: hivemind.DHTNode, sha: str, sources: list[Source], store:
             room.admit(size)
         while usable and attempts < budget:
             if clock.cancelled or clock.left() <= 0:
-                raise _out_of_time(sha, clock, report, tried, part)
+                raise _out_of_time(sha, clock, report, tried, part.offset)
             src = usable[0]  # in the caller's order; a provider that breaks goes to the back of the line
             attempts += 1
             before = part.offset
@@ -353,7 +369,7 @@ async def _fetch(node: hivemind.DHTNode, sha: str, sources: list[Source], store:
                 total = await _in_thread(_receive, control_path, src, sha, part, size, max_size, stall_s, report,
                                          clock, room.admit)
             except _Stopped:
-                raise _out_of_time(sha, clock, report, tried, part) from None
+                raise _out_of_time(sha, clock, report, tried, part.offset) from None
             except _Rejected as e:
                 report.rejected[src.peer_id] = str(e)
                 usable.remove(src)
@@ -400,14 +416,14 @@ async def _fetch(node: hivemind.DHTNode, sha: str, sources: list[Source], store:
         if not usable and not report.rejected:
             reasons = "no provider is known" if not sources else "no provider besides this node"
         if slow:
-            raise _out_of_time(sha, clock, report, tried, part, why=f"no provider delivered it ({reasons})")
+            raise _out_of_time(sha, clock, report, tried, part.offset, why=f"no provider delivered it ({reasons})")
         raise BlobError(f"could not fetch blob {sha[:12]} ({reasons or 'every provider failed; try again later'})")
     finally:
         room.release()
         part.close(remove=not ok and part.offset == 0)
 
 
-def _out_of_time(sha: str, clock: _Clock, report: FetchReport, tried: list[str], part: PartialDownload,
+def _out_of_time(sha: str, clock: _Clock, report: FetchReport, tried: list[str], held: int,
                  why: str | None = None) -> BlobError:
     """The error of a fetch that ran out of time, was stopped, or found only slow providers: what arrived,
     in how long, from whom, against the minimum rate, and what happens to the bytes."""
@@ -416,7 +432,7 @@ def _out_of_time(sha: str, clock: _Clock, report: FetchReport, tried: list[str],
         got[peer] = got.get(peer, 0) + end - start
     who = ", ".join(f"{peer[:20]}... ({n:,} bytes)" for peer, n in got.items()) or "no provider"
     of = f" of {report.size:,}" if report.size >= 0 else ""
-    kept = (f"the {part.offset:,} bytes it holds are kept for a later fetch to resume from" if part.offset
+    kept = (f"the {held:,} bytes it holds are kept for a later fetch to resume from" if held
             else "no bytes are kept")
     hint = "" if clock.cancelled else "; to allow slower providers, pass a lower min_rate= or a longer deadline_s="
     why = why or clock.cancelled or f"its {clock.deadline_s:g} s deadline passed"

@@ -1,7 +1,9 @@
 """The serving half of blob transfer: a p2pd stream handler that sends byte ranges of a store's blobs.
 
-It serves only blobs of its store (an unknown or malformed sha is refused), at most `max_concurrent`
-uploads at once (more are told "busy"), optionally rate-limited. It runs inside the DHT's background
+It serves byte ranges, piece lists (`pieces`, cached by the store) and piece maps of the blobs of its store
+only (an unknown or malformed sha is refused), and the verified pieces of downloads in flight into that
+store (`assembly.partials`), at most `max_concurrent` uploads at once (more are told "busy"), optionally
+rate-limited. It runs inside the DHT's background
 process (`SwarmDHT.serve_blobs`), and the bytes move in worker threads over plain sockets (`streams`), so
 neither the caller's training loop nor the DHT's event loop waits on them. The wire format is in `wire`.
 """
@@ -20,7 +22,9 @@ import hivemind
 import msgspec
 
 from skillswarm.protocol.errors import BlobError
+from skillswarm.protocol.transport.assembly import Assembly, partials
 from skillswarm.protocol.transport.blobs import BlobStore, check_sha256
+from skillswarm.protocol.transport.pieces import pack_bits, piece_count
 from skillswarm.protocol.transport.streams import send_all, send_file_range
 from skillswarm.protocol.transport.wire import CHUNK, HANDLER, BlobHeader, BlobRequest, frame, frame_length
 
@@ -37,27 +41,39 @@ class BlobProvider:
         self.stall_s = stall_s
         self.active = 0
         self.served_bytes = 0
+        self.partials: dict[tuple[str, str], Assembly] = {}  # downloads in flight whose pieces are served too
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="blob-upload")
 
     async def start(self, p2p: hivemind.P2P) -> None:
         await p2p.add_binary_stream_handler(HANDLER, self.handle)
 
     async def handle(self, _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One request: validate it, then send the header and the range from a worker thread."""
+        """One request: validate it, then send the header and the range, piece list or piece map from a worker
+        thread."""
         counted = False
         try:
             try:
                 n = frame_length(await asyncio.wait_for(reader.readexactly(4), self.stall_s))
                 req = msgspec.msgpack.decode(await asyncio.wait_for(reader.readexactly(n), self.stall_s), type=BlobRequest)
                 path = self.store.path(check_sha256(req.sha))
-                size = path.stat().st_size
+                partial = None
+                try:
+                    size = path.stat().st_size
+                except FileNotFoundError:  # perhaps a download in flight here holds some of its pieces
+                    partial = self.partials.get((str(self.store.root), req.sha))
+                    if partial is None:
+                        raise
+                    path, size = partial.part.path, partial.size
             except (FileNotFoundError, BlobError, ValueError, msgspec.MsgspecError) as e:
                 reason = "unknown blob" if isinstance(e, FileNotFoundError) else f"bad request: {e}"
                 writer.write(frame(BlobHeader(error=reason)))
                 await writer.drain()
                 return
-            if not 0 <= req.offset <= size:
-                writer.write(frame(BlobHeader(size=size, error=f"offset {req.offset} is outside the blob")))
+            end = size if req.end is None else req.end
+            if not 0 <= req.offset <= end <= size:
+                writer.write(frame(BlobHeader(size=size, error=f"range {req.offset}-{end} is outside the blob")))
+            elif partial is not None and req.kind == "bytes" and not partial.holds(req.offset, end):
+                writer.write(frame(BlobHeader(size=size, error="missing")))
             elif self.active >= self.max_concurrent:
                 writer.write(frame(BlobHeader(size=size, error="busy")))
             else:
@@ -66,8 +82,12 @@ class BlobProvider:
                 writer.transport.pause_reading()  # from here on the worker thread owns the socket
                 fd = os.dup(writer.get_extra_info("socket").fileno())
                 try:
-                    sent = await asyncio.get_running_loop().run_in_executor(
-                        self._pool, self._send, fd, path, req.offset, size)
+                    if req.kind == "bytes":
+                        sent = await asyncio.get_running_loop().run_in_executor(
+                            self._pool, self._send, fd, path, req.offset, end, size)
+                    else:
+                        sent = await asyncio.get_running_loop().run_in_executor(
+                            self._pool, self._send_about, fd, req.sha, req.kind, size, partial)
                 finally:
                     os.close(fd)
                 self.served_bytes += sent
@@ -80,10 +100,23 @@ class BlobProvider:
             with contextlib.suppress(Exception):
                 writer.close()
 
-    def _send(self, fd: int, path: Path, offset: int, size: int) -> int:
-        send_all(fd, frame(BlobHeader(size=size)), self.stall_s)
-        with open(path, "rb") as f:
-            return send_file_range(fd, f.fileno(), offset, size - offset, self.stall_s, self.rate, CHUNK)
+    def _send(self, fd: int, path: Path, offset: int, end: int, size: int) -> int:
+        with open(path, "rb") as f:  # before the header: a partial file renamed meanwhile ends the stream
+            send_all(fd, frame(BlobHeader(size=size)), self.stall_s)
+            return send_file_range(fd, f.fileno(), offset, end - offset, self.stall_s, self.rate, CHUNK)
+
+    def _send_about(self, fd: int, sha: str, kind: str, size: int, partial: Assembly | None) -> int:
+        """Send a blob's piece list ("pieces") or which pieces are held here ("have")."""
+        try:
+            if kind == "have":
+                body = partial.bitmap() if partial is not None else pack_bits([True] * piece_count(size))
+            else:  # computed once per blob, then read from the store's cache
+                body = partial.piece_list if partial is not None else self.store.pieces(sha)
+        except (OSError, BlobError) as e:  # removed meanwhile
+            send_all(fd, frame(BlobHeader(error=f"unknown blob ({e})")), self.stall_s)
+            return 0
+        send_all(fd, frame(BlobHeader(size=size)) + body, self.stall_s)
+        return 0
 
 
 async def start_provider(
@@ -96,6 +129,7 @@ async def start_provider(
         provider.max_concurrent, provider.rate = max_concurrent, max_upload_bytes_s
         return False
     provider = BlobProvider(root, max_concurrent, max_upload_bytes_s)
+    provider.partials = partials(dht)
     await provider.start(node.p2p)
     dht._skillswarm_provider = provider
     return True

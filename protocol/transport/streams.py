@@ -117,7 +117,7 @@ def send_file_range(fd: int, file_fd: int, offset: int, count: int, timeout: flo
         if n == 0:
             raise StreamError("the file ended before the range did (was it truncated?)")
         sent += n
-        if rate:
+        if rate and sent < count:  # nothing to pace after the last byte (the peer may hang up at once)
             ahead = sent / rate - (time.monotonic() - started)
             if ahead > 0:
                 _pause(fd, ahead)

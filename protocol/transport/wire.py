@@ -1,15 +1,22 @@
 """The blob wire protocol: its request and header frames, the download deadline rule, and what a fetch reports.
 
 One stream per request, protocol id `skillswarm/v{protocol}/blob`:
-    client -> provider   u32 length + msgpack BlobRequest{sha, offset}
-    provider -> client   u32 length + msgpack BlobHeader{size, error}; then, if no error, the raw bytes
-                         [offset, size) of the blob, and the provider closes the stream.
+    client -> provider   u32 length + msgpack BlobRequest{sha, offset, end, kind}
+    provider -> client   u32 length + msgpack BlobHeader{size, error}; then, if no error, for kind "bytes"
+                         the raw bytes [offset, end or size) of the blob, for kind "pieces" its piece list
+                         (`pieces`: 32 bytes per piece), for kind "have" one bit per piece it holds
+                         (`pieces.pack_bits`), and the provider closes the stream.
+
+A peer still downloading a blob piece by piece serves the pieces it holds (verified) the same way; asked
+for a range it does not hold yet, it answers the error "missing", and the fetcher asks it again later.
 
 Every download must average MIN_RATE bytes/s once GRACE_S has passed (`deadline_for`), so a provider that
 trickles bytes cannot hold a fetch for longer. The serving half is `provider`, the downloading half `fetcher`.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import msgspec
 
@@ -33,6 +40,8 @@ def deadline_for(size: int, min_rate: float = MIN_RATE, grace_s: float = GRACE_S
 class BlobRequest(msgspec.Struct, forbid_unknown_fields=True):
     sha: str
     offset: int = 0
+    end: int | None = None  # None: to the end of the blob
+    kind: Literal["bytes", "pieces", "have"] = "bytes"
 
 
 class BlobHeader(msgspec.Struct):
@@ -59,6 +68,8 @@ class FetchReport(msgspec.Struct):
     segments: list[tuple[str, int, int]] = []  # (peer id, start, end) per stream that delivered bytes
     rejected: dict[str, str] = {}  # peer id -> why it was dropped
     already_present: bool = False
+    discarded: int = 0  # bytes that arrived but were thrown away: pieces that failed verification, duplicates
+    pieces: bool = False  # fetched piece by piece, from every provider at once (a tree hash was given)
 
 
 def frame(obj: msgspec.Struct) -> bytes:

@@ -36,6 +36,7 @@ N_TESTS = 5
 # process start-up (bubblewrap, the interpreter): CPU-bound, so a few at once fill the cores that
 # generation leaves idle between turns, and more only queue.
 SANDBOX_CONCURRENCY = 4
+GRADE_RETRIES = 1  # extra runs of an answer whose grading was killed by the wall clock (an overloaded machine)
 PROBES = {"int": "7", "list": "[3,12]", "str": "'abc'"}  # the example the perfect player prints f on (source text)
 LETTERS = string.ascii_lowercase
 K99, K999 = range(1, 100), range(1, 1000)
@@ -137,6 +138,10 @@ class CodeTasks(TaskBank):
                    "        _out.append(_json.dumps(f(_x)))\n    except BaseException:\n        _out.append(None)\n"
                    "print()\nprint(_json.dumps(_out))\n")
         run = run_python(harness, self.limits)
+        for _ in range(GRADE_RETRIES):  # a wall-clock kill may be the machine's load, not the answer: try again
+            if run.killed != "wall_clock":
+                break
+            run = run_python(harness, self.limits)
         passed = [False] * len(inputs)
         try:
             got = json.loads(run.stdout.strip().splitlines()[-1]) if run.ok else []
