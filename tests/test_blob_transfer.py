@@ -187,8 +187,14 @@ def test_a_provider_dying_midway_is_replaced_within_the_same_fetch(swarm: dict[s
     _kill_provider_midway(dying, t, 3 * MB, fetcher.store.partial_path(sha))
     t.join(60)
     report = result["report"]
-    (first, _, cut), (second, start, end) = report.segments
-    assert (first, second) == (dying_id, honest_id)
-    assert start == cut and end == size and cut >= 3 * MB, report
+    # The bytes arrive in order and exactly once: the dying provider's, then the honest one's from where they
+    # stopped. (A stream may break and resume from the same provider on a loaded machine: more segments,
+    # still contiguous.)
+    segments = report.segments
+    assert [s[1] for s in segments[1:]] == [s[2] for s in segments[:-1]] and segments[0][1] == 0, report
+    peers = [s[0] for s in segments]
+    cut = next(s[1] for s in segments if s[0] == honest_id)
+    assert peers[0] == dying_id and peers[-1] == honest_id and segments[-1][2] == size, report
+    assert set(peers[peers.index(honest_id):]) == {honest_id} and cut >= 3 * MB, report
     assert report.received == size
     assert sha256_file(fetcher.store.path(sha)) == sha
