@@ -59,6 +59,14 @@ class _Stopped(Exception):
     """The fetch is out of time: its deadline passed, or it was cancelled."""
 
 
+class _Missing(_Transient):
+    """A provider still downloading the blob does not hold the pieces asked for yet."""
+
+
+class _Busy(_Transient):
+    """A provider serves as many uploads as it allows: ask again later (until the deadline), no blame."""
+
+
 class _Clock:
     """The limits of one fetch, shared by its coroutine and the thread moving its bytes: the deadline, the
     rate a stream must average after the grace period, and a cancel switch that also wakes a blocked read."""
@@ -179,6 +187,26 @@ def _pace(sock: socket.socket, clock: _Clock, opened: float, streamed: int, stal
     return wait_s
 
 
+def read_header(sock: socket.socket, clock: _Clock, opened: float) -> BlobHeader:
+    """Read a provider's header, which must come within the grace period; refuse an error header."""
+    header_by = min(opened + clock.grace_s, clock.deadline)  # a header, too, must not trickle
+    try:
+        header = msgspec.msgpack.decode(recv_exact(sock, frame_length(recv_exact(sock, 4, header_by)), header_by),
+                                        type=BlobHeader)
+    except TimeoutError:
+        clock.check()
+        if time.monotonic() >= opened + clock.grace_s:
+            raise _Slow(f"sent no header within {clock.grace_s:g} s") from None
+        raise
+    if header.error == "busy":
+        raise _Busy("busy")
+    if header.error == "missing":
+        raise _Missing("it does not hold those pieces yet")
+    if header.error:
+        raise _Rejected(header.error)
+    return header
+
+
 def _receive(control_path: str, src: Source, sha: str, part: PartialDownload, size: int | None, max_size: int,
              stall_s: float, report: FetchReport, clock: _Clock, admit: Callable[[int], None]) -> int:
     """(Worker thread) one request to one provider, appending what it sends to `part` until the blob is
@@ -195,19 +223,7 @@ def _receive(control_path: str, src: Source, sha: str, part: PartialDownload, si
         clock.watch(sock)
         sock.settimeout(stall_s)
         sock.sendall(frame(BlobRequest(sha=sha, offset=part.offset)))
-        header_by = min(opened + clock.grace_s, clock.deadline)  # a header, too, must not trickle
-        try:
-            header = msgspec.msgpack.decode(recv_exact(sock, frame_length(recv_exact(sock, 4, header_by)), header_by),
-                                            type=BlobHeader)
-        except TimeoutError:
-            clock.check()
-            if time.monotonic() >= opened + clock.grace_s:
-                raise _Slow(f"sent no header within {clock.grace_s:g} s") from None
-            raise
-        if header.error == "busy":
-            raise _Transient("busy")
-        if header.error:
-            raise _Rejected(header.error)
+        header = read_header(sock, clock, opened)
         expected = size if size is not None else src.size
         if expected is not None and header.size != expected:
             raise _Rejected(f"serves {header.size} bytes where {expected} were announced")

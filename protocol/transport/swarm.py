@@ -36,14 +36,15 @@ from skillswarm.protocol.errors import BlobError
 from skillswarm.protocol.transport.assembly import Assembly, Checker, PieceFile, partials, publish
 from skillswarm.protocol.transport.blobs import BlobStore, check_sha256
 from skillswarm.protocol.transport.fetcher import (
-    _Clock, _in_thread, _out_of_time, _pace, _Rejected, _Room, _Slow, _Stopped, _Transient, tracked,
+    _Busy, _Clock, _in_thread, _Missing, _out_of_time, _pace, _Rejected, _Room, _Slow, _Stopped, _Transient, read_header,
+    tracked,
 )
 from skillswarm.protocol.transport.pieces import (
     DIGEST, check_piece_list, held_pieces, piece_count, piece_span, unpack_bits,
 )
 from skillswarm.protocol.transport.streams import open_stream, recv_exact
 from skillswarm.protocol.transport.wire import (
-    GRACE_S, HANDLER, MIN_RATE, BlobHeader, BlobRequest, FetchReport, Source, deadline_for, frame, frame_length,
+    GRACE_S, HANDLER, MIN_RATE, BlobRequest, FetchReport, Source, deadline_for, frame,
 )
 
 logger = logging.getLogger(__name__)
@@ -51,14 +52,6 @@ logger = logging.getLogger(__name__)
 _FAILURES = 3  # attempts in a row that deliver nothing before a provider is dropped
 OFFER_POLL_S = 1.0  # how often a provider still downloading the blob is asked again what it holds
 MAX_SOURCES = 8  # providers one download takes pieces from at a time
-
-
-class _Missing(_Transient):
-    """A provider still downloading the blob does not hold the pieces asked for yet."""
-
-
-class _Busy(_Transient):
-    """A provider serves as many uploads as it allows: ask again later (until the deadline), no blame."""
 
 
 def _stream(control_path: str, src: Source, swarm: Assembly, run: list[int], stall_s: float) -> None:
@@ -78,7 +71,7 @@ def _stream(control_path: str, src: Source, swarm: Assembly, run: list[int], sta
         clock.watch(sock)
         sock.settimeout(stall_s)
         sock.sendall(frame(BlobRequest(sha=swarm.sha, offset=start, end=end)))
-        header = _header(sock, clock, opened)
+        header = read_header(sock, clock, opened)
         if header.size != size:
             raise _Rejected(f"serves {header.size} bytes where {size} were announced")
         with Checker(swarm, src.peer_id) as checker:
@@ -113,26 +106,6 @@ def _stream(control_path: str, src: Source, swarm: Assembly, run: list[int], sta
     finally:
         clock.unwatch(sock)
         sock.close()
-
-
-def _header(sock, clock: _Clock, opened: float) -> BlobHeader:  # noqa: ANN001
-    """Read a provider's header, which must come within the grace period; refuse an error header."""
-    header_by = min(opened + clock.grace_s, clock.deadline)
-    try:
-        header = msgspec.msgpack.decode(recv_exact(sock, frame_length(recv_exact(sock, 4, header_by)), header_by),
-                                        type=BlobHeader)
-    except TimeoutError:
-        clock.check()
-        if time.monotonic() >= opened + clock.grace_s:
-            raise _Slow(f"sent no header within {clock.grace_s:g} s") from None
-        raise
-    if header.error == "busy":
-        raise _Busy("busy")
-    if header.error == "missing":
-        raise _Missing("it does not hold those pieces yet")
-    if header.error:
-        raise _Rejected(header.error)
-    return header
 
 
 def _provider(control_path: str, src: Source, swarm: Assembly, workers: int, stall_s: float) -> None:
@@ -196,7 +169,7 @@ def _ask_offer(control_path: str, src: Source, swarm: Assembly, stall_s: float) 
             clock.watch(sock)
             sock.settimeout(stall_s)
             sock.sendall(frame(BlobRequest(sha=swarm.sha, kind="have")))
-            header = _header(sock, clock, opened)
+            header = read_header(sock, clock, opened)
             if header.size != swarm.size:
                 raise _Rejected(f"serves {header.size} bytes where {swarm.size} were announced")
             bits = recv_exact(sock, -(-swarm.n // 8), min(opened + clock.grace_s, clock.deadline))
@@ -243,7 +216,7 @@ def _piece_list(control_path: str, sha: str, tree: str, size: int | None, max_si
                 clock.watch(sock)
                 sock.settimeout(stall_s)
                 sock.sendall(frame(BlobRequest(sha=sha, kind="pieces")))
-                header = _header(sock, clock, opened)
+                header = read_header(sock, clock, opened)
                 expected = size if size is not None else src.size
                 if expected is not None and header.size != expected:
                     raise _Rejected(f"serves {header.size} bytes where {expected} were announced")
