@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from pathlib import Path
+from typing import Iterator
 
 import msgspec
 import psutil
@@ -10,6 +13,8 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 
 from skillswarm.protocol.identity import Identity
+from skillswarm.protocol.transport.blobs import BlobStore
+from skillswarm.protocol.transport.dht import SwarmDHT
 from skillswarm.protocol.transport.validation import OwnerSignatureValidator
 
 
@@ -47,3 +52,27 @@ def signed_dht_record(signer: Identity, value: bytes | object, key: str, subkey:
     body = msgspec.msgpack.encode(value)
     unsigned = DHTRecord(DHTID.generate(source=key).to_bytes(), msgspec.msgpack.encode(subkey), body, time.time() + ttl)
     return DHTRecord(unsigned.key, unsigned.subkey, OwnerSignatureValidator(signer).sign_value(unsigned), unsigned.expiration_time)
+
+
+class BlobPeer:
+    """One node of a test swarm: a DHT peer on 127.0.0.1 and its own blob store."""
+
+    def __init__(self, net: str, root: Path, initial: list[str]) -> None:
+        self.store = BlobStore(root)
+        self.dht = SwarmDHT(net, Identity.generate(), initial_peers=initial).start()
+        self.id = self.dht.identity.peer_id
+
+
+@contextlib.contextmanager
+def blob_swarm(net: str, root: Path, first: str, *others: str) -> Iterator[dict[str, BlobPeer]]:
+    """Peers named `first` (the bootstrap) and `others`, each with a store under `root`; all shut down after."""
+    peers: dict[str, BlobPeer] = {}
+    try:
+        peers[first] = BlobPeer(net, root / first, [])
+        boot = peers[first].dht.visible_maddrs()
+        for name in others:
+            peers[name] = BlobPeer(net, root / name, boot)
+        yield peers
+    finally:
+        for p in peers.values():
+            p.dht.shutdown()

@@ -14,38 +14,19 @@ import psutil
 import pytest
 
 from skillswarm.protocol.transport.blobs import BlobStore
-from skillswarm.protocol.transport.dht import SwarmDHT
 from skillswarm.protocol.errors import BlobError
 from skillswarm.protocol.hashing import sha256_file
-from skillswarm.protocol.identity import Identity
-from tests.net_helpers import still_running
+from tests.net_helpers import BlobPeer, blob_swarm, still_running
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 NET = "blobs"
 MB = 1 << 20
 
 
-class Peer:
-    """One node of the test swarm: a DHT peer and its own blob store."""
-
-    def __init__(self, root: Path, initial: list[str]) -> None:
-        self.store = BlobStore(root)
-        self.dht = SwarmDHT(NET, Identity.generate(), initial_peers=initial).start()
-
-
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Peer]]:
-    root = tmp_path_factory.mktemp("swarm")
-    peers: dict[str, Peer] = {}
-    try:
-        peers["honest"] = Peer(root / "honest", [])
-        boot = peers["honest"].dht.visible_maddrs()
-        for name in ("fetcher", "liar", "flaky"):
-            peers[name] = Peer(root / name, boot)
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, BlobPeer]]:
+    with blob_swarm(NET, tmp_path_factory.mktemp("swarm"), "honest", "fetcher", "liar", "flaky") as peers:
         yield peers
-    finally:
-        for p in peers.values():
-            p.dht.shutdown()
 
 
 def _blob(store: BlobStore, size: int) -> str:
@@ -56,7 +37,7 @@ def _copy(src: BlobStore, dst: BlobStore, sha: str) -> None:
     dst.add_bytes(src.path(sha).read_bytes())
 
 
-def test_a_50mb_blob_is_found_through_the_dht_fetched_and_verified(swarm: dict[str, Peer]) -> None:
+def test_a_50mb_blob_is_found_through_the_dht_fetched_and_verified(swarm: dict[str, BlobPeer]) -> None:
     honest, fetcher = swarm["honest"], swarm["fetcher"]
     sha = _blob(honest.store, 50 * MB)
     record = honest.dht.provide(sha, store=honest.store)
@@ -71,7 +52,7 @@ def test_a_50mb_blob_is_found_through_the_dht_fetched_and_verified(swarm: dict[s
     assert fetcher.dht.fetch_report(sha, max_size=64 * MB, store=fetcher.store).already_present
 
 
-def test_corrupted_bytes_never_appear_under_the_final_name(swarm: dict[str, Peer]) -> None:
+def test_corrupted_bytes_never_appear_under_the_final_name(swarm: dict[str, BlobPeer]) -> None:
     honest, fetcher, liar = swarm["honest"], swarm["fetcher"], swarm["liar"]
     sha = _blob(honest.store, 4 * MB)
     _copy(honest.store, liar.store, sha)
@@ -92,7 +73,7 @@ def test_corrupted_bytes_never_appear_under_the_final_name(swarm: dict[str, Peer
     assert sha256_file(fetcher.store.path(sha)) == sha
 
 
-def test_unknown_hashes_oversized_blobs_and_busy_providers_are_refused(swarm: dict[str, Peer]) -> None:
+def test_unknown_hashes_oversized_blobs_and_busy_providers_are_refused(swarm: dict[str, BlobPeer]) -> None:
     honest, fetcher = swarm["honest"], swarm["fetcher"]
     honest_id = honest.dht.identity.peer_id
     with pytest.raises(BlobError, match="unknown blob"):
@@ -122,7 +103,7 @@ def test_unknown_hashes_oversized_blobs_and_busy_providers_are_refused(swarm: di
         honest.dht.serve_blobs(honest.store)
 
 
-def _kill_provider_midway(provider: Peer, fetching: threading.Thread, at_bytes: int, partial: Path) -> list[psutil.Process]:
+def _kill_provider_midway(provider: BlobPeer, fetching: threading.Thread, at_bytes: int, partial: Path) -> list[psutil.Process]:
     """SIGKILL the provider's DHT process once the fetcher holds `at_bytes`; return its processes."""
     procs = [psutil.Process(provider.dht.pid), *psutil.Process(provider.dht.pid).children(recursive=True)]
     deadline = time.monotonic() + 60
@@ -134,7 +115,7 @@ def _kill_provider_midway(provider: Peer, fetching: threading.Thread, at_bytes: 
     raise AssertionError("the transfer finished or stalled before the provider could be killed")
 
 
-def test_a_provider_dying_midway_is_replaced_without_starting_over(swarm: dict[str, Peer], tmp_path: Path) -> None:
+def test_a_provider_dying_midway_is_replaced_without_starting_over(swarm: dict[str, BlobPeer], tmp_path: Path) -> None:
     honest, fetcher, flaky = swarm["honest"], swarm["fetcher"], swarm["flaky"]
     size = 12 * MB
     sha = _blob(honest.store, size)
@@ -170,7 +151,7 @@ def test_a_provider_dying_midway_is_replaced_without_starting_over(swarm: dict[s
     assert sha256_file(fetcher.store.path(sha)) == sha
 
 
-def test_a_provider_dying_midway_is_replaced_within_the_same_fetch(swarm: dict[str, Peer]) -> None:
+def test_a_provider_dying_midway_is_replaced_within_the_same_fetch(swarm: dict[str, BlobPeer]) -> None:
     honest, fetcher = swarm["honest"], swarm["fetcher"]
     size = 12 * MB
     sha = _blob(honest.store, size)

@@ -14,39 +14,19 @@ import pytest
 
 from skillswarm.protocol.errors import BlobError
 from skillswarm.protocol.hashing import sha256_file
-from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.transport.blobs import BlobStore, held_bytes, partial_pieces_path
-from skillswarm.protocol.transport.dht import SwarmDHT
 from skillswarm.protocol.transport.pieces import PIECE_SIZE, check_piece_list, piece_count, tree_hash
 from skillswarm.protocol.transport.provider import provider_stats
-from tests.net_helpers import wait_for
+from tests.net_helpers import BlobPeer, blob_swarm, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 NET = "swarming"
 
 
-class Peer:
-    """One node: a DHT peer and its own blob store."""
-
-    def __init__(self, root: Path, initial: list[str]) -> None:
-        self.store = BlobStore(root)
-        self.dht = SwarmDHT(NET, Identity.generate(), initial_peers=initial).start()
-        self.id = self.dht.identity.peer_id
-
-
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Peer]]:
-    root = tmp_path_factory.mktemp("swarm")
-    peers: dict[str, Peer] = {}
-    try:
-        peers["fetcher"] = Peer(root / "fetcher", [])
-        boot = peers["fetcher"].dht.visible_maddrs()
-        for name in ("a", "b", "liar"):
-            peers[name] = Peer(root / name, boot)
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, BlobPeer]]:
+    with blob_swarm(NET, tmp_path_factory.mktemp("swarm"), "fetcher", "a", "b", "liar") as peers:
         yield peers
-    finally:
-        for p in peers.values():
-            p.dht.shutdown()
 
 
 def _rot(path: Path, size: int) -> None:
@@ -80,7 +60,7 @@ def test_the_tree_hash_binds_every_piece_and_the_piece_size() -> None:
     assert "piece list has" in check_piece_list(digests[:64], len(data), tree)
 
 
-def test_a_provider_serving_corrupt_pieces_is_dropped_and_the_good_pieces_stay(swarm: dict[str, Peer]) -> None:
+def test_a_provider_serving_corrupt_pieces_is_dropped_and_the_good_pieces_stay(swarm: dict[str, BlobPeer]) -> None:
     fetcher, a, b, liar = swarm["fetcher"], swarm["a"], swarm["b"], swarm["liar"]
     size = 5 * PIECE_SIZE + 12345  # six pieces, the last one short
     data = os.urandom(size)
@@ -105,7 +85,7 @@ def test_a_provider_serving_corrupt_pieces_is_dropped_and_the_good_pieces_stay(s
     assert fetcher.store.pieces_path(sha).read_bytes() == a.store.pieces(sha)
 
 
-def test_a_piece_list_that_does_not_match_the_tree_hash_is_refused(swarm: dict[str, Peer], tmp_path: Path) -> None:
+def test_a_piece_list_that_does_not_match_the_tree_hash_is_refused(swarm: dict[str, BlobPeer], tmp_path: Path) -> None:
     fetcher, a, liar = swarm["fetcher"], swarm["a"], swarm["liar"]
     size = 2 * PIECE_SIZE + 777
     data = os.urandom(size)
@@ -135,7 +115,7 @@ def test_a_piece_list_that_does_not_match_the_tree_hash_is_refused(swarm: dict[s
     assert capped.usage() == 0
 
 
-def test_a_trickling_provider_holds_no_piece_hostage(swarm: dict[str, Peer]) -> None:
+def test_a_trickling_provider_holds_no_piece_hostage(swarm: dict[str, BlobPeer]) -> None:
     fetcher, a, b = swarm["fetcher"], swarm["a"], swarm["b"]
     size = 3 * PIECE_SIZE
     data = os.urandom(size)
@@ -153,7 +133,7 @@ def test_a_trickling_provider_holds_no_piece_hostage(swarm: dict[str, Peer]) -> 
     assert {p for p, _, _ in report.segments} == {a.id} and _covered_once(report.segments, 0, size)
 
 
-def test_an_interrupted_swarming_download_resumes_with_the_pieces_it_holds(swarm: dict[str, Peer]) -> None:
+def test_an_interrupted_swarming_download_resumes_with_the_pieces_it_holds(swarm: dict[str, BlobPeer]) -> None:
     fetcher, a, b = swarm["fetcher"], swarm["a"], swarm["b"]
     size = 8 * PIECE_SIZE
     data = os.urandom(size)
@@ -182,7 +162,7 @@ def test_an_interrupted_swarming_download_resumes_with_the_pieces_it_holds(swarm
     assert not part.exists() and not partial_pieces_path(part).exists()
 
 
-def test_a_peer_still_downloading_serves_the_pieces_it_holds(swarm: dict[str, Peer]) -> None:
+def test_a_peer_still_downloading_serves_the_pieces_it_holds(swarm: dict[str, BlobPeer]) -> None:
     fetcher, a, b = swarm["fetcher"], swarm["a"], swarm["b"]
     size = 6 * PIECE_SIZE
     sha = a.store.add_bytes(os.urandom(size))
@@ -190,7 +170,7 @@ def test_a_peer_still_downloading_serves_the_pieces_it_holds(swarm: dict[str, Pe
     fetcher.dht.serve_blobs(fetcher.store)  # a node serving its store announces what it downloads into it
     reports: dict = {}
 
-    def fetch(peer: Peer, providers: list[str]) -> None:
+    def fetch(peer: BlobPeer, providers: list[str]) -> None:
         reports[peer.id] = peer.dht.fetch_report(sha, size=size, max_size=size, store=peer.store, providers=providers,
                                                  tree=tree, progress=False)
 
@@ -227,14 +207,14 @@ def _held(store: BlobStore, sha: str) -> int:
     return 0
 
 
-def test_a_busy_provider_is_asked_again_not_blamed(swarm: dict[str, Peer]) -> None:
+def test_a_busy_provider_is_asked_again_not_blamed(swarm: dict[str, BlobPeer]) -> None:
     fetcher, a, b = swarm["fetcher"], swarm["a"], swarm["b"]
     size = 2 << 20
     sha = a.store.add_bytes(os.urandom(size))
     tree = a.store.tree(sha)
     reports: dict = {}
 
-    def fetch(peer: Peer) -> None:
+    def fetch(peer: BlobPeer) -> None:
         reports[peer.id] = peer.dht.fetch_report(sha, size=size, max_size=size, store=peer.store, providers=[a.id],
                                                  tree=tree, progress=False)
 

@@ -15,42 +15,25 @@ import pytest
 
 from skillswarm.protocol.transport import blobs
 from skillswarm.protocol.transport.blobs import BlobStore
-from skillswarm.protocol.transport.dht import SwarmDHT
 from skillswarm.protocol.errors import BlobError
 from skillswarm.protocol.hashing import sha256_file
 from skillswarm.protocol.identity import Identity
+from skillswarm.protocol.transport.dht import SwarmDHT
 from skillswarm.protocol.transport.provider import provider_stats
 from skillswarm.protocol.transport.wire import GRACE_S, MIN_RATE, deadline_for
+from tests.net_helpers import BlobPeer, blob_swarm
 
 NET = "limits"
 MB = 1 << 20
 TRICKLE_MB_S = 0.02  # 20 KB/s: far under any minimum rate used here
 
 
-class Peer:
-    """One node of the test swarm: a DHT peer and its own blob store."""
-
-    def __init__(self, root: Path, initial: list[str]) -> None:
-        self.store = BlobStore(root)
-        self.dht = SwarmDHT(NET, Identity.generate(), initial_peers=initial).start()
-        self.id = self.dht.identity.peer_id
-
-
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Peer]]:
-    root = tmp_path_factory.mktemp("swarm")
-    peers: dict[str, Peer] = {}
-    try:
-        peers["honest"] = Peer(root / "honest", [])
-        boot = peers["honest"].dht.visible_maddrs()
-        for name in ("fetcher", "trickler"):
-            peers[name] = Peer(root / name, boot)
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, BlobPeer]]:
+    with blob_swarm(NET, tmp_path_factory.mktemp("swarm"), "honest", "fetcher", "trickler") as peers:
         peers["honest"].dht.serve_blobs(peers["honest"].store)
         peers["trickler"].dht.serve_blobs(peers["trickler"].store, max_upload_mb_s=TRICKLE_MB_S)
         yield peers
-    finally:
-        for p in peers.values():
-            p.dht.shutdown()
 
 
 def _blob(size: int, *stores: BlobStore) -> str:
@@ -77,7 +60,7 @@ def test_the_limits_are_one_constant_each() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_trickling_provider_alone_fails_by_the_deadline(swarm: dict[str, Peer]) -> None:
+def test_a_trickling_provider_alone_fails_by_the_deadline(swarm: dict[str, BlobPeer]) -> None:
     fetcher, trickler = swarm["fetcher"], swarm["trickler"]
     size = 4 * MB
     sha = _blob(size, trickler.store)
@@ -115,7 +98,7 @@ def test_a_trickling_provider_alone_fails_by_the_deadline(swarm: dict[str, Peer]
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_an_honest_provider_takes_over_from_a_trickler(swarm: dict[str, Peer]) -> None:
+def test_an_honest_provider_takes_over_from_a_trickler(swarm: dict[str, BlobPeer]) -> None:
     fetcher, trickler, honest = swarm["fetcher"], swarm["trickler"], swarm["honest"]
     size = 6 * MB
     sha = _blob(size, trickler.store, honest.store)
@@ -135,7 +118,7 @@ def test_an_honest_provider_takes_over_from_a_trickler(swarm: dict[str, Peer]) -
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_rounds_fetches_end_within_the_budget(swarm: dict[str, Peer]) -> None:
+def test_a_rounds_fetches_end_within_the_budget(swarm: dict[str, BlobPeer]) -> None:
     fetcher, trickler, honest = swarm["fetcher"], swarm["trickler"], swarm["honest"]
     good = _blob(3 * MB, honest.store)
     trickled = _blob(2 * MB, trickler.store)
@@ -178,7 +161,7 @@ def test_malformed_requests_are_refused_with_a_clear_error() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_capped_store_refuses_a_blob_before_any_byte(swarm: dict[str, Peer], tmp_path: Path) -> None:
+def test_a_capped_store_refuses_a_blob_before_any_byte(swarm: dict[str, BlobPeer], tmp_path: Path) -> None:
     fetcher, honest = swarm["fetcher"], swarm["honest"]
     capped = BlobStore(tmp_path / "capped", max_bytes=4 * MB)
     old = capped.add_bytes(os.urandom(3 * MB))

@@ -187,6 +187,21 @@ def _pace(sock: socket.socket, clock: _Clock, opened: float, streamed: int, stal
     return wait_s
 
 
+def open_request(control_path: str, src: Source, clock: _Clock, stall_s: float) -> tuple[socket.socket, float]:
+    """A stream to `src` for one request, watched by `clock` (the caller unwatches and closes it), and when it
+    was opened; a stream that cannot open is a transient failure."""
+    clock.check()
+    opened = time.monotonic()
+    try:
+        sock = open_stream(control_path, src.peer_id, HANDLER, max(0.01, min(stall_s, clock.left())))
+    except OSError as e:
+        clock.check()
+        raise _Transient(f"cannot open a stream ({e})") from None
+    clock.watch(sock)
+    sock.settimeout(stall_s)
+    return sock, opened
+
+
 def read_header(sock: socket.socket, clock: _Clock, opened: float) -> BlobHeader:
     """Read a provider's header, which must come within the grace period; refuse an error header."""
     header_by = min(opened + clock.grace_s, clock.deadline)  # a header, too, must not trickle
@@ -211,17 +226,9 @@ def _receive(control_path: str, src: Source, sha: str, part: PartialDownload, si
              stall_s: float, report: FetchReport, clock: _Clock, admit: Callable[[int], None]) -> int:
     """(Worker thread) one request to one provider, appending what it sends to `part` until the blob is
     complete, the stream breaks or turns slow, or the fetch is out of time; returns the blob size."""
-    clock.check()
-    opened = time.monotonic()
-    try:
-        sock = open_stream(control_path, src.peer_id, HANDLER, max(0.01, min(stall_s, clock.left())))
-    except OSError as e:
-        clock.check()
-        raise _Transient(f"cannot open a stream ({e})") from None
     start = part.offset
+    sock, opened = open_request(control_path, src, clock, stall_s)
     try:
-        clock.watch(sock)
-        sock.settimeout(stall_s)
         sock.sendall(frame(BlobRequest(sha=sha, offset=part.offset)))
         header = read_header(sock, clock, opened)
         expected = size if size is not None else src.size

@@ -36,15 +36,15 @@ from skillswarm.protocol.errors import BlobError
 from skillswarm.protocol.transport.assembly import Assembly, Checker, PieceFile, partials, publish
 from skillswarm.protocol.transport.blobs import BlobStore, check_sha256
 from skillswarm.protocol.transport.fetcher import (
-    _Busy, _Clock, _in_thread, _Missing, _out_of_time, _pace, _Rejected, _Room, _Slow, _Stopped, _Transient, read_header,
-    tracked,
+    _Busy, _Clock, _in_thread, _Missing, _out_of_time, _pace, _Rejected, _Room, _Slow, _Stopped, _Transient, open_request,
+    read_header, tracked,
 )
 from skillswarm.protocol.transport.pieces import (
     DIGEST, check_piece_list, held_pieces, piece_count, piece_span, unpack_bits,
 )
-from skillswarm.protocol.transport.streams import open_stream, recv_exact
+from skillswarm.protocol.transport.streams import recv_exact
 from skillswarm.protocol.transport.wire import (
-    GRACE_S, HANDLER, MIN_RATE, BlobRequest, FetchReport, Source, deadline_for, frame,
+    GRACE_S, MIN_RATE, BlobRequest, FetchReport, Source, deadline_for, frame,
 )
 
 logger = logging.getLogger(__name__)
@@ -59,17 +59,9 @@ def _stream(control_path: str, src: Source, swarm: Assembly, run: list[int], sta
     whole is checked and, if good, written. Ends early, without error, once others hold the rest of the run."""
     clock, size = swarm.clock, swarm.size
     start, end = piece_span(run[0], size)[0], piece_span(run[-1], size)[1]
-    clock.check()
-    opened = time.monotonic()
-    try:
-        sock = open_stream(control_path, src.peer_id, HANDLER, max(0.01, min(stall_s, clock.left())))
-    except OSError as e:
-        clock.check()
-        raise _Transient(f"cannot open a stream ({e})") from None
+    sock, opened = open_request(control_path, src, clock, stall_s)
     streamed = 0
     try:
-        clock.watch(sock)
-        sock.settimeout(stall_s)
         sock.sendall(frame(BlobRequest(sha=swarm.sha, offset=start, end=end)))
         header = read_header(sock, clock, opened)
         if header.size != size:
@@ -159,15 +151,8 @@ def _ask_offer(control_path: str, src: Source, swarm: Assembly, stall_s: float) 
     answer three times in a row is dropped. False when the download is out of time."""
     clock = swarm.clock
     try:
-        clock.check()
-        opened = time.monotonic()
+        sock, opened = open_request(control_path, src, clock, stall_s)
         try:
-            sock = open_stream(control_path, src.peer_id, HANDLER, max(0.01, min(stall_s, clock.left())))
-        except OSError as e:
-            raise _Transient(f"cannot open a stream ({e})") from None
-        try:
-            clock.watch(sock)
-            sock.settimeout(stall_s)
             sock.sendall(frame(BlobRequest(sha=swarm.sha, kind="have")))
             header = read_header(sock, clock, opened)
             if header.size != swarm.size:
@@ -206,15 +191,11 @@ def _piece_list(control_path: str, sha: str, tree: str, size: int | None, max_si
         for src in sources:
             if src.peer_id in report.rejected:
                 continue
-            clock.check()
-            opened = time.monotonic()
             try:
-                sock = open_stream(control_path, src.peer_id, HANDLER, max(0.01, min(stall_s, clock.left())))
-            except OSError:
+                sock, opened = open_request(control_path, src, clock, stall_s)
+            except _Transient:
                 continue
             try:
-                clock.watch(sock)
-                sock.settimeout(stall_s)
                 sock.sendall(frame(BlobRequest(sha=sha, kind="pieces")))
                 header = read_header(sock, clock, opened)
                 expected = size if size is not None else src.size
