@@ -32,6 +32,7 @@ from skillswarm.skills.environment import Environment
 from skillswarm.skills.nano.build import cached_path
 from skillswarm.skills.sandbox import PythonSandbox, SandboxLimits, SandboxResult, run_python
 from skillswarm.skills.sandbox.seccomp import DENIED, machine
+from tests.net_helpers import wait_for
 from skillswarm.skills.taskbank import Task
 from skillswarm.skills.toolcall import format_call
 from tests.conftest import ROOT
@@ -223,6 +224,13 @@ def _processes_with(marker: str) -> int:
     return count
 
 
+def _gone(marker: str) -> bool:
+    """No process carries `marker` within 5 s of the run's return: the planted daemons sleep 60 s, so one that
+    escaped the namespace's end is still there (once, on a fresh clone, one was listed for an instant)."""
+    wait_for(lambda: _processes_with(marker) == 0, 5.0, f"the processes marked {marker} to end", poll=0.05)
+    return True
+
+
 @pytest.mark.parametrize("name", list(ATTACKS))
 def test_attack_is_blocked_and_graded_as_a_tool_failure(name: str, host: Host) -> None:
     code = ATTACKS[name].format(**host.values())
@@ -244,7 +252,7 @@ def test_attack_is_blocked_and_graded_as_a_tool_failure(name: str, host: Host) -
     assert "# planted" not in (ROOT / "skills" / "__init__.py").read_text()
     assert "# planted" not in Path(os.__file__).read_text()[-200:]
     assert host.accepted == [] and host.signals == [] and host.canary.poll() is None
-    assert _processes_with(host.marker) == 0, f"{name}: a process outlived the run"
+    assert _gone(host.marker), f"{name}: a process outlived the run"
 
 
 def test_the_corpus_covers_the_issue() -> None:
@@ -270,5 +278,5 @@ def test_without_seccomp_the_namespace_still_kills_daemons_and_session_leaders()
             f"    os._exit(0)\nprint(os.read(r, 2).decode(), flush=True)\ntime.sleep(0.3)\n{tail}\n")
         result = run_python(code, SandboxLimits(wall_seconds=2.0), use_seccomp=False)
         assert result.stdout.startswith("up") and result.killed == killed, result
-        assert _processes_with(marker) == 0
+        assert _gone(marker)
         time.sleep(0.05)
