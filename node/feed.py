@@ -27,6 +27,10 @@ COUNTERS = ("samples", "tokens", "episodes", "reward_sum", "correct_sum", "stale
             "ok_groups", "env_error_groups", "zero_variance_groups", "stale_groups", "gen_tokens", "gen_seconds")
 
 
+class SourceDrained(TrainError):
+    """A finite source (recorded trajectories) has nothing more: the run ends after what it has."""
+
+
 class Source(Protocol):
     async def next_batch(self) -> Batch: ...
 
@@ -129,7 +133,13 @@ class Feed:
         while len(data.groups) < n:
             if should_stop():
                 return None
-            self.account(await self.source.next_batch(), version, data)
+            try:
+                batch = await self.source.next_batch()
+            except SourceDrained:
+                if not data.groups:
+                    raise
+                break  # a last, smaller step on what there is
+            self.account(batch, version, data)
         self.counters["samples"] += sum(len(g.samples) for g in data.groups)
         self.counters["tokens"] += sum(s.completion_tokens for g in data.groups for s in g.samples)
         return data

@@ -28,10 +28,11 @@ import torch
 
 from skillswarm.node.engines import ENGINES, check_engine, load_engine
 from skillswarm.node.evaluation import evaluate
-from skillswarm.node.feed import Feed, StepData
+from skillswarm.node.feed import Feed, SourceDrained, StepData
 from skillswarm.node.finalize import save_outputs, train_stats, write_result
 from skillswarm.node.generation import HFEngine, load_model_dir
 from skillswarm.node.generator import GeneratorSpec, Mailbox, ProcessSource, SyncSource, ThreadSource, model_threads
+from skillswarm.node.endpoint.verifiers_env import VERIFIERS_PREFIX
 from skillswarm.node.grpo import VARIANTS, LossConfig
 from skillswarm.node.metrics import MetricsLog, read_metrics
 from skillswarm.node.orchestrator import Orchestrator, RolloutConfig
@@ -42,6 +43,7 @@ from skillswarm.protocol.records import TrainStats
 
 log = logging.getLogger(__name__)
 ASYNC_MODES = ("auto", "process", "thread")
+EXTERNAL_PREFIX = "external:"
 
 
 @dataclass
@@ -86,9 +88,17 @@ class TrainConfig:
     codec: str | None = "dense_bf16"  # None: no delta file
     codec_params: dict[str, float] = field(default_factory=dict)
     resume: bool = False
+    store: Path | None = None  # with skill "external:NAME": train on the groups an endpoint recorded there
+    store_wait_s: float = 0.0  # how long to wait for new scored groups before the run ends (with serve: 0 = no limit)
+    serve_port: int | None = None  # with skill "external:NAME": serve the trained policy here and train on what it records
 
     def __post_init__(self) -> None:
         self.model_dir, self.out_dir = Path(self.model_dir).expanduser(), Path(self.out_dir).expanduser()
+        self.store = Path(self.store).expanduser() if self.store is not None else None
+
+    def external_name(self) -> str | None:
+        """NAME of `external:NAME` (recorded trajectories), else None."""
+        return self.skill[len(EXTERNAL_PREFIX):] if self.skill.startswith(EXTERNAL_PREFIX) else None
 
     def validate(self) -> None:
         """Raise TrainError on settings that cannot work, saying which and why."""
@@ -111,6 +121,11 @@ class TrainConfig:
             problems.append("temperature must be > 0 (RL samples)")
         if not (self.model_dir / "config.json").is_file():
             problems.append(f"{self.model_dir} is not a model directory (no config.json); build one with `skillswarm base build`")
+        problems += self._store_problems()
+        if self.skill.startswith(VERIFIERS_PREFIX):
+            from skillswarm.node.endpoint.verifiers_env import verifiers_problems
+
+            problems += verifiers_problems(self.skill)
         if problems:
             raise TrainError("bad training settings: " + "; ".join(problems))
         try:
@@ -127,8 +142,39 @@ class TrainConfig:
                 raise TrainError(str(e)) from e
         check_engine(self.engine)
 
+    def _store_problems(self) -> list[str]:
+        name = self.external_name()
+        if name is None:
+            return ["--store and --serve need --skill external:NAME (NAME: what the endpoint records under)"] \
+                if self.store or self.serve_port is not None else []
+        if not name:
+            return ["--skill external:NAME needs a NAME"]
+        if self.serve_port is not None:
+            return []  # the run's endpoint records its own store (opening it checks the model)
+        if self.store is None:
+            return ["--skill external:NAME trains on recorded trajectories: give the store with --store DIR, or "
+                    "--serve PORT to serve the policy and record them"]
+        from skillswarm.node.endpoint.store import store_model_hash
+        from skillswarm.protocol.hashing import weights_hash
+
+        held = store_model_hash(self.store)
+        if held is None:
+            return [f"{self.store} is not a trajectory store (no store.json); record one with `skillswarm endpoint serve` "
+                    "or `skillswarm ingest`"]
+        if (self.model_dir / "config.json").is_file() and held != weights_hash(self.model_dir):
+            return [f"{self.store} was recorded by another model (weights {held[:12]}); train from the model the "
+                    "endpoint served, or the recorded logprobs are of another policy"]
+        return []
+
     def mode(self) -> str:
-        """sync, process or thread."""
+        """sync, process or thread; store when training on recorded trajectories, live when serving and training on
+        what it records, verifiers for an environment's rollouts."""
+        if self.serve_port is not None:
+            return "live"
+        if self.store is not None:
+            return "store"
+        if self.skill.startswith(VERIFIERS_PREFIX):
+            return "verifiers"
         if self.sync:
             return "sync"
         if self.async_mode != "auto":
@@ -212,15 +258,18 @@ class _Run:
 
     # ---- set-up --------------------------------------------------------------------------------------
     def _setup(self) -> None:
-        from skillswarm.skills.registry import get_skill
+        from skillswarm.skills.registry import get_skill, skill_names
 
         cfg = self.cfg
-        self.skill = get_skill(cfg.skill)
+        name = cfg.external_name()
+        plain = name is None and not cfg.skill.startswith(VERIFIERS_PREFIX)
+        self.skill = get_skill(cfg.skill if name is None else name) if plain or name in skill_names() else None
+        self.eval_n = cfg.eval_n if self.skill is not None else 0  # recorded trajectories of no known skill: no eval
         resuming = prepare_run_dir(self.run_dir, cfg.settings(), cfg.resume)
         model, self.tokenizer = load_model_dir(cfg.model_dir, self.device)
         self.dtype = _stored_dtype(model)
         self.eval_engine: Any = None
-        if self.mode != "sync" and cfg.engine == "hf" and cfg.eval_n > 0:  # eval apart from the generator's engine
+        if self.mode != "sync" and cfg.engine == "hf" and self.eval_n > 0:  # eval apart from the generator's engine
             self.eval_engine = HFEngine(copy.deepcopy(model), self.tokenizer, self.device)
         model = model.float()  # fp32 master weights
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
@@ -243,6 +292,25 @@ class _Run:
 
     def _source(self) -> Any:
         cfg, start = self.cfg, int(self.state["next_batch"])
+        if self.mode == "store":
+            from skillswarm.node.endpoint.source import StoreSource
+
+            self.engine, self.publish = None, None
+            return StoreSource(cfg.store, cfg.external_name(), cfg.batch, cfg.loss, cfg.temperature, start,  # type: ignore[arg-type]
+                               cfg.store_wait_s)
+        if self.mode == "live":  # an endpoint on its own engine, serving each new policy; harnesses play against it
+            from skillswarm.node.endpoint.live import live_source
+
+            self.engine = None
+            source, self.publish = live_source(cfg, self.trainer, self.run_dir, self.device, self.skill, start,
+                                               lambda: self.stop.is_set() or self._deadline_passed())
+            return source
+        if self.mode == "verifiers":  # an endpoint on its own engine; the environment plays against it
+            from skillswarm.node.endpoint.verifiers_env import verifiers_source
+
+            self.engine = None
+            source, self.publish = verifiers_source(cfg, self.trainer, self.run_dir, self.device, start)
+            return source
         if self.mode == "process":
             spec = GeneratorSpec(cfg.engine, str(cfg.model_dir), cfg.skill, cfg.rollout_config(), start, self.threads,
                                  cfg.device, logging.getLogger("skillswarm").getEffectiveLevel())
@@ -256,7 +324,7 @@ class _Run:
             mailbox.publish(self.trainer.engine_weights(), self.trainer.version)
         self.publish, self.mailbox = mailbox.publish, mailbox
         orchestrator = Orchestrator(self.engine, self.skill, cfg.rollout_config())
-        if self.eval_engine is None and cfg.eval_n > 0:
+        if self.eval_engine is None and self.eval_n > 0:
             self.eval_engine = self.engine
         if self.mode == "sync":
             return SyncSource(orchestrator, mailbox, start)
@@ -270,14 +338,14 @@ class _Run:
         try:
             source = await asyncio.to_thread(self._source)
             await source.start()  # a generator process loads its model while the base model is evaluated
-            if self.state["accuracy_before"] is None and self.cfg.eval_n > 0:
+            if self.state["accuracy_before"] is None and self.eval_n > 0:
                 self.state["accuracy_before"] = (await self._eval())["accuracy"]
             feed = Feed(source, self.cfg.max_staleness, self.feed_counters)
             with bar or _nothing():
                 await self._loop(feed, bar)
             await source.close()
             after = None
-            if self.cfg.eval_n > 0:
+            if self.eval_n > 0:
                 last = self.evals[-1] if self.evals else None
                 after = last if last is not None and last["step"] == self.state["step"] else await self._eval()
             return await asyncio.to_thread(self._finish, after)
@@ -294,12 +362,17 @@ class _Run:
         last_save = self.state["step"]
         while self.state["step"] < cfg.steps and not self.stop.is_set() and not self._deadline_passed():
             t0 = time.monotonic()
-            data = await feed.take(cfg.batch, trainer.version, lambda: self.stop.is_set() or self._deadline_passed())
+            try:
+                data = await feed.take(cfg.batch, trainer.version, lambda: self.stop.is_set() or self._deadline_passed())
+            except SourceDrained as e:
+                log.info("%s; the run ends at step %d", e, self.state["step"])
+                break
             if data is None:
                 break
             t1 = time.monotonic()
             metrics = await asyncio.to_thread(trainer.step, data.groups)
-            self.publish(trainer.engine_weights(clone=self.mode != "process"), trainer.version)  # shared memory copies
+            if self.publish is not None:  # shared memory copies in process mode
+                self.publish(trainer.engine_weights(clone=self.mode != "process"), trainer.version)
             t2 = time.monotonic()
             self.state["step"] += 1
             self.state["seconds"] += t2 - t0
@@ -336,7 +409,7 @@ class _Run:
             self.mailbox.apply(engine)
         else:
             engine.load_state_dict(self.trainer.engine_weights(), self.trainer.version)
-        result = await asyncio.to_thread(evaluate, engine, self.skill, self.cfg.eval_n, 0,
+        result = await asyncio.to_thread(evaluate, engine, self.skill, self.eval_n, 0,
                                          max_new_tokens=self.cfg.max_new_tokens, max_tokens=self.cfg.max_tokens)
         record = {"kind": "eval", "step": self.state["step"], "n": result.n, "accuracy": result.accuracy,
                   "mean_reward": result.mean_reward, "outcomes": result.outcomes, "seconds": result.seconds}

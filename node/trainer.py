@@ -125,6 +125,8 @@ class Trainer:
         samples = [s for g in groups for s in g.samples]
         advantages = [a for g in groups for a in g.advantages]
         batch = collate(samples, advantages, self.pad_id)
+        # samples this very policy generated: their recorded logprobs must match its own (float noise)
+        fresh = torch.tensor([g.policy_version == self.version for g in groups for _ in g.samples])
         n, k = len(samples), min(self.optim_cfg.mini_batches, len(samples))
         old_logp = self._logprobs_no_grad(batch) if k > 1 else None
         lr = self.optim_cfg.lr * min(1.0, (self.version + 1) / max(1, self.optim_cfg.warmup_steps))
@@ -133,20 +135,25 @@ class Trainer:
         totals: dict[str, float] = {"lr": lr}
         order = torch.randperm(n, generator=torch.Generator().manual_seed(self.version)).tolist() if k > 1 else list(range(n))
         for mini in _chunks(order, -(-n // k)):
-            for key, value in self._optimizer_step(batch, mini, old_logp).items():
-                totals[key] = totals.get(key, 0.0) + value / k
+            for key, value in self._optimizer_step(batch, mini, old_logp, fresh).items():
+                if key.endswith("_max"):
+                    totals[key] = max(totals.get(key, 0.0), value)
+                else:
+                    totals[key] = totals.get(key, 0.0) + value / k
         self.version += 1
         totals["batch_samples"] = float(n)
+        totals["fresh_samples"] = float(fresh.sum())
         totals["batch_tokens"] = float(batch.loss_mask.sum())
         return totals
 
-    def _optimizer_step(self, batch: TrainBatch, rows: list[int], old_logp: torch.Tensor | None) -> dict[str, float]:
+    def _optimizer_step(self, batch: TrainBatch, rows: list[int], old_logp: torch.Tensor | None,
+                        fresh: torch.Tensor) -> dict[str, float]:
         cfg = self.loss_cfg
         mask = batch.loss_mask[rows]
         weights = token_weights(mask, cfg)  # the whole (mini-)batch's reduction, split over micro-batches
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        loss_total = 0.0
+        loss_total, peak, peak_fresh = 0.0, 0.0, 0.0
         by_length = sorted(range(len(rows)), key=lambda i: batch.lengths[rows[i]])  # little padding per micro-batch
         for micro in _chunks(by_length, self.optim_cfg.micro_batch):
             idx = [rows[i] for i in micro]
@@ -166,10 +173,18 @@ class Trainer:
             for key in ("clip_frac", "is_weight_mean", "is_truncated_frac", "kl"):
                 sums[key] = sums.get(key, 0.0) + metrics[key] * tokens
             sums["tokens"] = sums.get("tokens", 0.0) + tokens
+            # how far the engine's sampling logprobs are from this policy's (0 on fresh on-policy data, up to float noise)
+            diff = (logp.detach() - batch.behaviour_logp[idx, :width - 1].to(self.device)).abs() * m
+            sums["logp_diff_mean"] = sums.get("logp_diff_mean", 0.0) + float(diff.sum())
+            peak = max(peak, float(diff.max())) if m.any() else peak
+            mine = fresh[idx].to(self.device)
+            if bool(mine.any()) and m[mine].any():
+                peak_fresh = max(peak_fresh, float(diff[mine].max()))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.optim_cfg.max_grad_norm)
         self.optimizer.step()
         tokens = max(sums.pop("tokens", 0.0), 1.0)
-        return {"loss": loss_total, "grad_norm": float(grad_norm), **{k: v / tokens for k, v in sums.items()}}
+        return {"loss": loss_total, "grad_norm": float(grad_norm), "logp_diff_max": peak, "logp_diff_fresh_max": peak_fresh,
+                **{k: v / tokens for k, v in sums.items()}}
 
     def _logprobs_no_grad(self, batch: TrainBatch) -> torch.Tensor:
         out = torch.zeros_like(batch.behaviour_logp)

@@ -12,7 +12,7 @@ from rich.logging import RichHandler
 from skillswarm.node.cli import ident, merge_cmd, net
 from skillswarm.node.cli import base_cmd, eval_cmd, skills_cmd
 from skillswarm.node.cli import coordinator_cmd, demo_cmd, net_inspect, node_cmd, pull_cmd  # noqa: F401 (net_inspect adds `net` commands)
-from skillswarm.node.cli import report_cmd, sandbox_cmd, train_cmd
+from skillswarm.node.cli import endpoint_cmd, report_cmd, sandbox_cmd, train_cmd
 from skillswarm.node.cli.common import console, err_console
 from skillswarm.protocol.errors import SkillswarmError
 from skillswarm.protocol.version import PROTOCOL_VERSION, __version__
@@ -38,6 +38,8 @@ app.command("demo")(demo_cmd.demo_cmd)
 app.command("train")(train_cmd.train_cmd)
 app.command("report")(report_cmd.report_cmd)
 app.add_typer(sandbox_cmd.app, name="sandbox")
+app.add_typer(endpoint_cmd.app, name="endpoint")
+app.command("ingest")(endpoint_cmd.ingest_cmd)
 
 
 def _version(value: bool) -> None:

@@ -12,7 +12,9 @@ from skillswarm.node.cli.common import JsonOpt, console, err_console, print_json
 
 
 def train_cmd(
-    skill: Annotated[str, typer.Option(help="Skill shard to train on (see `skillswarm skills list`).")],
+    skill: Annotated[str, typer.Option(help="Skill shard to train on (see `skillswarm skills list`), or external:NAME "
+                                       "for the trajectories an endpoint records under NAME (with --store or --serve), or "
+                                       "verifiers:ENV_ID for an installed verifiers environment's rollouts.")],
     model: Annotated[Optional[Path], typer.Option(help="Starting model directory (HF format). Default: the nano base.")] = None,
     steps: Annotated[int, typer.Option(help="Optimizer steps (the run also stops at --max-minutes).", min=0)] = 1000,
     out: Annotated[Path, typer.Option(help="Run directory: metrics, checkpoints, trained model, delta.")] = Path("runs/train"),
@@ -42,6 +44,14 @@ def train_cmd(
     codec: Annotated[Optional[str], typer.Option(help="Delta codec (dense_bf16, dense_fp32, topk, int8, lora, ...). "
                                                  "Default: lora with --lora (the adapter itself), else dense_bf16.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
+    store: Annotated[Optional[Path], typer.Option(help="Trajectory store to train on (`skillswarm endpoint serve --store`, "
+                                                  "`skillswarm ingest`); needs --skill external:NAME.")] = None,
+    wait: Annotated[float, typer.Option(help="With --store: seconds to wait for new scored groups before the run ends "
+                                        "(with --serve: 0 waits as long as the run lasts).", min=0.0)] = 0.0,
+    serve: Annotated[Optional[int], typer.Option(help="With --skill external:NAME: serve the policy being trained at "
+                                                 "http://127.0.0.1:PORT/v1 (as `endpoint serve`; with NAME a skill, its "
+                                                 "tasks and rubric too) and train on what it records.",
+                                                 min=0, max=65535)] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Train a model on one skill with GRPO (async by default); writes OUT/model and OUT/delta.safetensors
@@ -55,7 +65,7 @@ def train_cmd(
                       temperature=temperature, max_new_tokens=max_new_tokens, max_minutes=max_minutes,
                       eval_every=eval_every, eval_n=eval_n, save_every=save_every, seed=seed, engine=engine, sync=sync,
                       async_mode=async_mode,
-                      threads=threads, resume=resume, **({"codec": codec} if codec else {"codec": "lora"} if lora else {}))
+                      threads=threads, resume=resume, store=store, store_wait_s=wait, serve_port=serve, **({"codec": codec} if codec else {"codec": "lora"} if lora else {}))
     if not json_out:
         err_console.print(f"training [bold]{skill}[/] on {cfg.model_dir} ({cfg.mode()}, {engine}"
                           f"{', LoRA' if lora else ''}) -> {out}", highlight=False)
