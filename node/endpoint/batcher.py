@@ -18,9 +18,11 @@ from skillswarm.node.generation import Generation
 
 log = logging.getLogger(__name__)
 
-# After the first request of a batch arrives, wait this long for others to join it: the clients whose
-# replies just went out are sending their next requests, and one batch of 16 costs about what one of 4 does.
-BATCH_WINDOW_S = 0.0
+# After the first request of a batch arrives, wait a little for others to join it: clients whose replies
+# just went out are sending their next requests, and on a model whose batch is compute-light a batch of 16
+# costs about what a batch of 4 does. The wait is this fraction of a batch's recent duration (capped), so
+# it is noise for a slow model and never dominates a fast one.
+BATCH_WINDOW_FRACTION, BATCH_WINDOW_MAX_S = 0.1, 0.05
 
 
 @dataclass
@@ -36,9 +38,9 @@ class GenerationQueue:
     """Submit prompts, get (generations, policy version) from a future. `before_batch` runs in the engine's
     thread before each batch (a trainer's mailbox loads new weights there)."""
 
-    def __init__(self, engine: Any, max_batch: int = 64, before_batch: Callable[[], None] | None = None,
-                 window_s: float = BATCH_WINDOW_S) -> None:
-        self.engine, self.max_batch, self.before_batch, self.window_s = engine, max_batch, before_batch, window_s
+    def __init__(self, engine: Any, max_batch: int = 64, before_batch: Callable[[], None] | None = None) -> None:
+        self.engine, self.max_batch, self.before_batch = engine, max_batch, before_batch
+        self.recent_s = 0.0  # moving average of a batch's duration
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
         self.batches = 0
         self.rows = 0
@@ -63,7 +65,7 @@ class GenerationQueue:
         batch, rows, held = [first], len(first.prompts), []
         width, new = max(map(len, first.prompts)), first.max_new_tokens
         if first.seed is None:
-            until = time.monotonic() + self.window_s
+            until = time.monotonic() + min(BATCH_WINDOW_MAX_S, BATCH_WINDOW_FRACTION * self.recent_s)
             while rows < self.max_batch:
                 try:
                     job = self.jobs.get(timeout=max(0.0, until - time.monotonic()))
@@ -96,7 +98,9 @@ class GenerationQueue:
                 longest = max(job.max_new_tokens for job in batch)
                 t0 = time.monotonic()
                 gens = self.engine.generate(prompts, longest, batch[0].temperature, seed=batch[0].seed)
-                self.engine_seconds += time.monotonic() - t0
+                took = time.monotonic() - t0
+                self.engine_seconds += took
+                self.recent_s = took if self.batches == 0 else 0.8 * self.recent_s + 0.2 * took
                 self.batches += 1
                 self.rows += len(prompts)
             except BaseException as e:  # every waiting request gets the error
