@@ -36,9 +36,33 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
+# The fields the plots read, and the shape each must have: a hand-edited or foreign metrics file gets an
+# error naming the record and field, not a TypeError from deep inside the plotting.
+_NUMBERS = ("step", "reward", "accuracy", "episodes", "groups", "env_error_groups", "zero_variance_groups", "stale_groups",
+            "staleness_mean", "staleness_max")
+_COUNTS = ("staleness", "outcomes")
+
+
+def _check(record: dict[str, Any], path: Path) -> dict[str, Any]:
+    where = f"{path}: the {record.get('kind')} record of step {record.get('step')!r}"
+    for key in _NUMBERS:
+        v = record.get(key)
+        if key in record and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise TrainError(f"{where} has {key} = {v!r}, not a number; was this file written by `skillswarm train`?")
+    for key in _COUNTS:
+        v = record.get(key)
+        if key in record and v is not None and not (isinstance(v, dict) and all(
+                isinstance(c, (int, float)) and not isinstance(c, bool) for c in v.values())):
+            raise TrainError(f"{where} has {key} = {v!r}, not a table of counts; was this file written by `skillswarm train`?")
+    if record.get("kind") == "step" and "step" not in record:
+        raise TrainError(f"{where} has no step number; was this file written by `skillswarm train`?")
+    return record
+
+
 def summarize_run(run_dir: Path | str) -> dict[str, Any]:
     """The numbers behind the plots: steps, rewards, evals, staleness histogram, outcome totals."""
-    records = read_metrics(Path(run_dir) / METRICS)
+    path = Path(run_dir) / METRICS
+    records = [_check(r, path) for r in read_metrics(path) if isinstance(r, dict)]
     steps = [r for r in records if r.get("kind") == "step"]
     evals = [r for r in records if r.get("kind") == "eval"]
     if not steps and not evals:

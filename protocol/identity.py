@@ -93,7 +93,11 @@ class Identity:
         """The node's persistent identity: load the key file, creating it (mode 0600) on first use."""
         path = Path(path).expanduser() if path else default_key_path()
         if not path.exists():
-            cls._create(path)
+            try:
+                cls._create(path)
+            except OSError as e:
+                raise IdentityError(f"cannot create the key file {path} ({e.strerror or e}); pass --key with a path in a "
+                                    "directory you can write (or set SKILLSWARM_KEY)") from None
         return cls.load(path)
 
     @staticmethod

@@ -13,7 +13,7 @@ from skillswarm.node.cli import ident, merge_cmd, net
 from skillswarm.node.cli import base_cmd, eval_cmd, skills_cmd
 from skillswarm.node.cli import coordinator_cmd, demo_cmd, net_inspect, node_cmd, pull_cmd  # noqa: F401 (net_inspect adds `net` commands)
 from skillswarm.node.cli import endpoint_cmd, report_cmd, sandbox_cmd, train_cmd
-from skillswarm.node.cli.common import console, err_console
+from skillswarm.node.cli.common import console, err_console, print_error
 from skillswarm.protocol.errors import SkillswarmError
 from skillswarm.protocol.version import PROTOCOL_VERSION, __version__
 
@@ -77,7 +77,16 @@ def main() -> None:
     try:
         app()
     except SkillswarmError as e:
-        err_console.print(f"[bold red]error:[/] {e}", highlight=False)
+        print_error(str(e))
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        print_error("interrupted")
+        raise SystemExit(130) from None
+    except Exception as e:  # a bug or an unforeseen input: one line, the traceback only when asked for
+        if logging.getLogger("skillswarm").isEnabledFor(logging.DEBUG):
+            err_console.print_exception()
+        else:
+            print_error(f"unexpected {type(e).__name__}: {e} (run with -v for the traceback)")
         raise SystemExit(1) from None
 
 

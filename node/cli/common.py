@@ -9,6 +9,7 @@ from typing import Annotated, Any, Callable, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 
@@ -30,9 +31,15 @@ def print_json(obj: Any) -> None:
     sys.stdout.flush()
 
 
+def print_error(message: str) -> None:
+    """One error line on stderr. The message is printed as text, never as rich markup: errors quote
+    user input and peers' addresses (`[/ip4/...]`), which markup would misread or crash on."""
+    err_console.print(f"[bold red]error:[/] {escape(str(message))}", highlight=False)
+
+
 def fail(message: str, code: int = 1) -> None:
     """Report a user-facing error and exit."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    print_error(message)
     raise typer.Exit(code)
 
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from skillswarm.node.cli.common import JsonOpt, console, err_console, print_json, table
+from skillswarm.node.cli.common import JsonOpt, console, err_console, fail, print_json, table
 
 
 def _default_model() -> Path:
@@ -46,10 +47,18 @@ def eval_cmd(
     with Progress(*columns, console=err_console, transient=True) as bar:
         task = bar.add_task("eval", total=n)
         result = evaluate(engine, sk, n, seed, temperature=temperature, on_done=lambda _: bar.advance(task))
+    broken = result.outcomes.get("env_error", 0) == result.n
     if json_out:
         print_json(result.as_json())
-        return
-    console.print(f"[bold]{sk.name}[/] on {model_dir}: accuracy [bold]{result.accuracy:.1%}[/] "
+    else:
+        _print_result(sk.name, model_dir, result)
+    if broken:  # nothing was measured: the skill's environment failed on every task (its bug, not the model's)
+        fail(f"every episode of {sk.name} ended in env_error: the skill's environment or rubric failed, so there is no "
+             "accuracy to report; rerun with -v to see its errors")
+
+
+def _print_result(name: str, model_dir: Path, result: Any) -> None:
+    console.print(f"[bold]{escape(name)}[/] on {escape(str(model_dir))}: accuracy [bold]{result.accuracy:.1%}[/] "
                   f"({round(result.accuracy * result.n)}/{result.n}), mean reward {result.mean_reward:.3f}, "
                   f"{result.seconds:.1f}s", highlight=False)
     console.print(table("outcomes", ["outcome", "episodes"], [[k, v] for k, v in result.outcomes.items()]))

@@ -41,8 +41,9 @@ def pull_cmd(
     with open_session(network, peers=peers, host="0.0.0.0", client_mode=True, ephemeral_key=True) as s:
         manifest = find_checkpoint(s.dht, s.spec, version)
         if manifest is None:
-            which = "any checkpoint" if version is None else f"checkpoint v{version}"
-            fail(f"no {which} signed by a trusted coordinator of {s.spec.network} was found")
+            which = "checkpoint" if version is None else f"checkpoint v{version}"
+            fail(f"no {which} signed by a trusted coordinator of {s.spec.network} was found: has a coordinator published "
+                 "one yet? (`skillswarm net checkpoints` lists what is on the network)")
         pull(s.dht, s.spec, manifest, s.store, s.blobs, progress=not json)
         if not adapter:
             export(s.store, manifest.version, out)
