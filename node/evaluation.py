@@ -31,11 +31,23 @@ class EvalResult:
     outcomes: dict[str, int]
     seconds: float = 0.0
     rollouts: list[Rollout] = field(default_factory=list, repr=False)
+    rubric: dict[str, float] = field(default_factory=dict)  # each reward function's mean, weight-0 metrics included
 
     def as_json(self) -> dict[str, object]:
         """The `skillswarm eval --json` object."""
         return {"skill": self.skill, "n": self.n, "accuracy": self.accuracy, "mean_reward": self.mean_reward,
-                "outcomes": dict(self.outcomes)}
+                "outcomes": dict(self.outcomes), "rubric": dict(self.rubric)}
+
+
+def rubric_means(episodes: list[dict[str, float]]) -> dict[str, float]:
+    """The mean of each reward function (and weight-0 metric) over episodes' raw values, by name."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for rewards in episodes:
+        for name, value in rewards.items():
+            sums[name] = sums.get(name, 0.0) + float(value)
+            counts[name] = counts.get(name, 0) + 1
+    return {name: round(sums[name] / counts[name], 6) for name in sorted(sums)}
 
 
 def summarize(skill: str, rollouts: list[Rollout], seconds: float = 0.0) -> EvalResult:
@@ -46,7 +58,8 @@ def summarize(skill: str, rollouts: list[Rollout], seconds: float = 0.0) -> Eval
         outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
     accuracy = sum(r.episode.correct for r in rollouts) / n if n else 0.0
     mean_reward = sum(r.reward for r in rollouts) / n if n else 0.0
-    return EvalResult(skill, n, round(accuracy, 6), round(mean_reward, 6), outcomes, round(seconds, 3), rollouts)
+    return EvalResult(skill, n, round(accuracy, 6), round(mean_reward, 6), outcomes, round(seconds, 3), rollouts,
+                      rubric_means([r.episode.rewards for r in rollouts]))
 
 
 def evaluate(model: Path | str | Engine, skill: str | Skill, n: int = DEFAULT_N, seed: int = 0, *,

@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from skillswarm.node.evaluation import rubric_means
 from skillswarm.node.orchestrator import Batch, Group
 from skillswarm.protocol.errors import TrainError
 
@@ -62,6 +63,7 @@ class StepData:
     staleness: list[int] = field(default_factory=list)
     gen_seconds: float = 0.0
     gen_tokens: int = 0
+    rubric: list[dict[str, float]] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         """The step's metrics about data (for the JSONL record)."""
@@ -74,6 +76,7 @@ class StepData:
             "staleness_mean": sum(self.staleness) / len(self.staleness) if self.staleness else 0.0,
             "staleness_max": max(self.staleness, default=0), "staleness": dict(Counter(self.staleness)),
             "gen_seconds": round(self.gen_seconds, 4), "gen_tokens": self.gen_tokens,
+            "rubric": rubric_means(self.rubric),
         }
 
 
@@ -104,6 +107,7 @@ class Feed:
                 data.rewards.append(s.reward)
                 data.correct += int(s.correct)
                 data.outcomes[s.outcome] += 1
+                data.rubric.append(s.rubric)
         for g in parts["ok"]:
             staleness = version - g.policy_version
             data.staleness.append(staleness)

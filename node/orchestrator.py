@@ -59,6 +59,7 @@ class Sample:
     reward: float
     correct: bool
     outcome: str
+    rubric: dict[str, float] = field(default_factory=dict)  # each reward function's raw value, metrics included
 
     @property
     def completion_tokens(self) -> int:
@@ -95,7 +96,8 @@ class Batch:
 
 def to_sample(r: Rollout) -> Sample:
     """The trainer's view of a rollout."""
-    return Sample(r.token_ids, r.loss_mask, r.logprobs, float(r.reward), bool(r.episode.correct), r.outcome)
+    return Sample(r.token_ids, r.loss_mask, r.logprobs, float(r.reward), bool(r.episode.correct), r.outcome,
+                  dict(r.episode.rewards))
 
 
 def make_group(task: Task, rollouts: list[Rollout], variant: Variant, policy_version: int, batch_index: int = 0) -> Group:

@@ -412,7 +412,8 @@ class _Run:
         result = await asyncio.to_thread(evaluate, engine, self.skill, self.eval_n, 0,
                                          max_new_tokens=self.cfg.max_new_tokens, max_tokens=self.cfg.max_tokens)
         record = {"kind": "eval", "step": self.state["step"], "n": result.n, "accuracy": result.accuracy,
-                  "mean_reward": result.mean_reward, "outcomes": result.outcomes, "seconds": result.seconds}
+                  "mean_reward": result.mean_reward, "outcomes": result.outcomes, "rubric": result.rubric,
+                  "seconds": result.seconds}
         self.metrics.write(record)
         self.evals.append(record)
         log.info("eval at step %d: accuracy %.3f", record["step"], result.accuracy)

@@ -53,7 +53,7 @@ def to_group(record: GroupRecord, variant: Variant, temperature: float, batch_in
             if not any(seg.loss_mask):
                 continue
             samples.append(Sample(list(seg.token_ids), list(seg.loss_mask), list(seg.logprobs), float(traj.reward or 0.0),
-                                  bool(traj.correct), "ok"))
+                                  bool(traj.correct), "ok", dict(traj.metrics)))
             advantages.append(a)
     version = min(t.policy_version for t in usable)
     return Group(record.id, samples, advantages, version, status, batch_index)  # type: ignore[arg-type]
