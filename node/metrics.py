@@ -10,7 +10,7 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from skillswarm.protocol.atomic import atomic_write_text
 
@@ -46,20 +46,29 @@ def read_metrics(path: Path | str) -> list[dict[str, Any]]:
 
 
 class MetricsLog:
-    """Append-only JSONL writer."""
+    """Append-only JSONL writer; every record also goes to the run's trackers (`skillswarm.node.tracking`)."""
 
-    def __init__(self, path: Path | str) -> None:
+    def __init__(self, path: Path | str, trackers: Sequence[Any] = ()) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = self.path.open("a")
+        self.trackers = list(trackers)
 
     def write(self, record: dict[str, Any]) -> None:
         """Append one record and flush it."""
-        self._f.write(json.dumps(_clean(record), sort_keys=True) + "\n")
+        clean = _clean(record)
+        self._f.write(json.dumps(clean, sort_keys=True) + "\n")
         self._f.flush()
+        if self.trackers:
+            from skillswarm.node.tracking import send
+
+            send(self.trackers, clean)
 
     def close(self) -> None:
         self._f.close()
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
 
     @staticmethod
     def truncate(path: Path | str, step: int) -> list[dict[str, Any]]:

@@ -35,6 +35,7 @@ from skillswarm.node.generator import GeneratorSpec, Mailbox, ProcessSource, Syn
 from skillswarm.node.endpoint.verifiers_env import VERIFIERS_PREFIX
 from skillswarm.node.grpo import VARIANTS, LossConfig
 from skillswarm.node.metrics import MetricsLog, read_metrics
+from skillswarm.node.tracking import check_trackers, open_trackers
 from skillswarm.node.orchestrator import Orchestrator, RolloutConfig
 from skillswarm.node.runstate import METRICS, load_checkpoint, prepare_run_dir, save_checkpoint
 from skillswarm.node.trainer import OptimConfig, Trainer
@@ -91,6 +92,7 @@ class TrainConfig:
     store: Path | None = None  # with skill "external:NAME": train on the groups an endpoint recorded there
     store_wait_s: float = 0.0  # how long to wait for new scored groups before the run ends (with serve: 0 = no limit)
     serve_port: int | None = None  # with skill "external:NAME": serve the trained policy here and train on what it records
+    report_to: tuple[str, ...] = ()  # experiment trackers besides metrics.jsonl: tensorboard, wandb
 
     def __post_init__(self) -> None:
         self.model_dir, self.out_dir = Path(self.model_dir).expanduser(), Path(self.out_dir).expanduser()
@@ -122,6 +124,7 @@ class TrainConfig:
         if not (self.model_dir / "config.json").is_file():
             problems.append(f"{self.model_dir} is not a model directory (no config.json); build one with `skillswarm base build`")
         problems += self._store_problems()
+        problems += check_trackers(self.report_to)
         if self.skill.startswith(VERIFIERS_PREFIX):
             from skillswarm.node.endpoint.verifiers_env import verifiers_problems
 
@@ -286,7 +289,8 @@ class _Run:
             log.info("resuming %s at step %d", self.run_dir, checkpoint["step"])
         else:
             MetricsLog.truncate(self.metrics_path, -1)
-        self.metrics = MetricsLog(self.metrics_path)
+        self.metrics = MetricsLog(self.metrics_path, open_trackers(cfg.report_to, self.run_dir, self.run_dir.name,
+                                                                   cfg.settings()))
         self.metrics.write({"kind": "start", "step": self.state["step"], "mode": self.mode, "threads": self.threads,
                             "resumed": checkpoint is not None, "settings": cfg.settings()})
 

@@ -52,6 +52,8 @@ def train_cmd(
                                                  "http://127.0.0.1:PORT/v1 (as `endpoint serve`; with NAME a skill, its "
                                                  "tasks and rubric too) and train on what it records.",
                                                  min=0, max=65535)] = None,
+    report_to: Annotated[Optional[list[str]], typer.Option(help="Also send the metrics to tensorboard (OUT/tensorboard) "
+                                                           "or wandb (extras of the same names); repeatable.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Train a model on one skill with GRPO (async by default); writes OUT/model and OUT/delta.safetensors
@@ -65,7 +67,7 @@ def train_cmd(
                       temperature=temperature, max_new_tokens=max_new_tokens, max_minutes=max_minutes,
                       eval_every=eval_every, eval_n=eval_n, save_every=save_every, seed=seed, engine=engine, sync=sync,
                       async_mode=async_mode,
-                      threads=threads, resume=resume, store=store, store_wait_s=wait, serve_port=serve, **({"codec": codec} if codec else {"codec": "lora"} if lora else {}))
+                      threads=threads, resume=resume, store=store, store_wait_s=wait, serve_port=serve, report_to=tuple(report_to or ()), **({"codec": codec} if codec else {"codec": "lora"} if lora else {}))
     if not json_out:
         err_console.print(f"training [bold]{skill}[/] on {cfg.model_dir} ({cfg.mode()}, {engine}"
                           f"{', LoRA' if lora else ''}) -> {out}", highlight=False)
