@@ -25,6 +25,7 @@ from skillswarm.protocol.errors import RecordError, SpecError
 from skillswarm.protocol.hardware import probe_hardware
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, NetworkSpec, SkillStats, TrainStats
+from skillswarm.skills.registry import check_network
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class Worker:
         if options.skill not in spec.skills:
             raise SpecError(f"skill `{options.skill}` is not one of network {spec.network}'s skills "
                             f"({', '.join(spec.skills)}); pick one of those")
+        check_network(spec, [options.skill])  # the shard's plugin must be the version the network pins
         self.spec, self.identity, self.dht, self.store, self.blobs, self.opt = spec, identity, dht, store, blobs, options
         self.on_event = on_event or (lambda kind, data: None)
         self.state = "starting"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Annotated, Literal, Union
 
 import msgspec
-from msgspec import Meta, Struct
+from msgspec import UNSET, Meta, Struct, UnsetType
 
 from skillswarm.protocol.version import PROTOCOL_VERSION
 
@@ -144,6 +144,15 @@ class Rejection(_Part, kw_only=True):
     figures: Figures = {}
 
 
+class SkillVersion(_Part, kw_only=True):
+    """The plugin that provides one of a network's skills: its `Skill.version` and the pip distribution
+    (and version) it comes from. Every node of the network must have exactly this installed."""
+
+    version: Annotated[str, Meta(min_length=1, max_length=64)]
+    distribution: Annotated[str, Meta(pattern=r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,126}[A-Za-z0-9])?$")]
+    distribution_version: Annotated[str, Meta(max_length=64)] = ""
+
+
 class SkillMetrics(_Part, kw_only=True):
     """A skill's held-out score on a checkpoint."""
 
@@ -218,11 +227,21 @@ class NetworkSpec(Record, tag="network", kw_only=True):
     merge: MergePolicy = MergePolicy()
     trust: TrustPolicy = TrustPolicy()
     screen: ScreenPolicy = ScreenPolicy()
+    # The third-party (plugin) skills' versions. UNSET (no plugin skill) encodes as nothing at all, so a
+    # file written before the field existed reads, and verifies, exactly as it did.
+    skill_versions: Annotated[dict[Name, SkillVersion], Meta(max_length=64)] | UnsetType = UNSET
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _unique("skills", self.skills)
         _unique("coordinators", self.coordinators)
+        stray = sorted(set(self.plugin_versions()) - set(self.skills))
+        if stray:
+            raise ValueError(f"`skill_versions` names {stray}, which are not among the network's `skills`")
+
+    def plugin_versions(self) -> dict[str, SkillVersion]:
+        """The pinned plugin skills (name -> version); empty when every skill is a built-in."""
+        return {} if self.skill_versions is UNSET else dict(self.skill_versions)
 
 
 class PeerRecord(Record, tag="peer", kw_only=True):

@@ -98,3 +98,34 @@ def test_a_spec_signed_with_ints_in_float_fields_verifies_after_toml(tmp_path: P
     loaded = load_spec(save_spec(spec, tmp_path / "net.toml"))
     verify_record(loaded, network="n", trusted=[key.public_key_hex])
     assert loaded == spec
+
+
+# Signed by the code before `skill_versions` existed (key: the Ed25519 seed bytes 0..31).
+OLD_SIGNED = dict(network="old", base_model="m", base_hash="ab" * 32, skills=["arith", "sort"],
+                  author="03a107bff3ce10be1d70dd18e74bc09967e4d6309ba50d5f1ddc8664125531b8", created=1796112376.7853887,
+                  signature="oWKq488kPvRGAnZva7FHo7MODQU5qxL0BuqZyM0yCV95SwvHxpKbcA6qtqVCL7ak/fEeOLq3XotmN/2BVWK/Aw==")
+
+
+def test_plugin_versions_are_signed_and_old_files_still_verify(tmp_path: Path) -> None:
+    import base64
+
+    from skillswarm.protocol.codec import canonical_bytes
+    from skillswarm.protocol.identity import verify_record
+    from skillswarm.protocol.records import NetworkSpec, SkillVersion
+
+    old = NetworkSpec(**{**OLD_SIGNED, "signature": base64.b64decode(OLD_SIGNED["signature"])})
+    verify_record(old, network="old")  # a file without plugin versions encodes exactly as it did
+    assert old.plugin_versions() == {} and b"skill_versions" not in canonical_bytes(old)
+    assert load_spec(save_spec(old, tmp_path / "old.toml")) == old and "skill_versions" not in spec_to_toml(old)
+
+    key = Identity.generate()
+    pin = SkillVersion(version="0.2.0", distribution="skillswarm-vowels-skill", distribution_version="0.2.0")
+    spec = key.sign_record(NetworkSpec(network="n", base_model="m", base_hash="ab" * 32, skills=["arith", "count_vowels"],
+                                       skill_versions={"count_vowels": pin}))
+    text = spec_to_toml(spec)
+    assert "[skill_versions.count_vowels]" in text and parse_spec(text).plugin_versions() == {"count_vowels": pin}
+    with pytest.raises(SpecError, match="changed after it was signed"):
+        parse_spec(text.replace('version = "0.2.0"', 'version = "0.1.0"'))
+    unsigned = "\n".join(line for line in text.splitlines() if not line.startswith("signature"))
+    with pytest.raises(SpecError, match="not among the network's `skills`"):
+        parse_spec(unsigned.replace("count_vowels", "other").replace('"other",', '"count_vowels",', 1))

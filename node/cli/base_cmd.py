@@ -9,20 +9,21 @@ from typing import Annotated, Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from skillswarm.node.cli.common import JsonOpt, console, err_console, print_json, table
+from skillswarm.node.cli.common import JsonOpt, console, err_console, fail, print_json, table
+from skillswarm.skills.nano.recipe import NanoRecipe
 
 app = typer.Typer(help="The nano base model (built here, no model hub needed).", no_args_is_help=True)
 
 
-def build_with_progress(out: Path | None = None, seed: int = 0, steps: int | None = None, force: bool = False,
-                        with_code: bool = False) -> Path:
-    """Build the nano model (or find it cached) with a progress bar on stderr; returns its directory."""
+def build_with_progress(out: Path | None = None, recipe: NanoRecipe | None = None, force: bool = False) -> Path:
+    """Build the nano model of `recipe` (default: the default recipe), or find it cached, with a progress
+    bar on stderr; returns its directory."""
     from skillswarm.skills.nano.build import build_base, cached_path, is_built
-    from skillswarm.skills.nano.recipe import CODE_RECIPE, DEFAULT_RECIPE
+    from skillswarm.skills.nano.recipe import DEFAULT_RECIPE, pin_plugins
 
-    recipe = (CODE_RECIPE if with_code else DEFAULT_RECIPE).with_(seed=seed, steps=steps)
+    recipe = pin_plugins(recipe or DEFAULT_RECIPE)
     if is_built(cached_path(recipe)) and not force:
-        return build_base(out, seed=seed, recipe=recipe)
+        return build_base(out, seed=recipe.seed, recipe=recipe)
     columns = (TextColumn("[bold]warm-up"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.fields[info]}"))
 
@@ -33,7 +34,28 @@ def build_with_progress(out: Path | None = None, seed: int = 0, steps: int | Non
     # The bar's total is the step cap; the warm-up usually stops sooner, once every skill is calibrated.
     with Progress(*columns, console=err_console, transient=False) as bar:
         task = bar.add_task("warm-up", total=recipe.steps, info="")
-        return build_base(out, seed=seed, recipe=recipe, force=force, progress=show)
+        return build_base(out, seed=recipe.seed, recipe=recipe, force=force, progress=show)
+
+
+def build_recipe(seed: int = 0, steps: int | None = None, with_code: bool = False, skills: list[str] | None = None,
+                 with_plugins: bool = False) -> NanoRecipe:
+    """The recipe the options ask for: the default recipe's settings plus the added skills, each plugin
+    pinned to its installed version (so the cache key changes with it)."""
+    from skillswarm.skills.nano.recipe import DEFAULT_RECIPE, pin_plugins
+    from skillswarm.skills.registry import get_skill, plugin_names
+
+    added = ["code"] if with_code else []
+    if with_plugins:
+        plugins = plugin_names()
+        if not plugins:
+            fail("--with-plugins: no third-party skill is installed (see `skillswarm skills list`)")
+        for name in plugins:
+            if get_skill(name).reference is None:
+                err_console.print(f"skipping plugin skill {name}: it has no reference player to warm up on", highlight=False)
+            else:
+                added.append(name)
+    added += skills or []
+    return pin_plugins(DEFAULT_RECIPE.with_skills(added).with_(seed=seed, steps=steps))
 
 
 @app.command("build")
@@ -44,20 +66,28 @@ def build(
     force: Annotated[bool, typer.Option(help="Rebuild even when the recipe is cached; overwrite --out.")] = False,
     with_code: Annotated[bool, typer.Option("--with-code", help="Also warm up the `code` skill (its tasks run in "
                                                                "the sandbox; about 1.8x the build time).")] = False,
+    skill: Annotated[Optional[list[str]], typer.Option(
+        "--skill", help="Also warm up this skill (e.g. an installed plugin's) through its reference player, at "
+                        f"data-mix weight {NanoRecipe.added_weight:g}; repeatable.")] = None,
+    with_plugins: Annotated[bool, typer.Option("--with-plugins", help="Also warm up every installed plugin skill "
+                                                                     "that has a reference player.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Build the nano base model: char-level tokenizer, small Llama, short warm-up on the built-in skills."""
+    """Build the nano base model: char-level tokenizer, small Llama, short warm-up on the built-in skills
+    (and any skill added with --skill, --with-plugins or --with-code)."""
     from skillswarm.skills.nano.build import build_info, cached_path, is_built
-    from skillswarm.skills.nano.recipe import CODE_RECIPE, DEFAULT_RECIPE
 
-    recipe = (CODE_RECIPE if with_code else DEFAULT_RECIPE).with_(seed=seed, steps=steps)
+    recipe = build_recipe(seed, steps, with_code, skill, with_plugins)
     cached = is_built(cached_path(recipe)) and not force
     start = time.monotonic()
     if not cached and not json_out:
-        err_console.print(f"building the nano base model (recipe {recipe.hash()[:12]}, {recipe.steps} warm-up steps)")
-    path = build_with_progress(out, seed, steps, force, with_code)
+        err_console.print(f"building the nano base model (recipe {recipe.hash()[:12]}, skills {', '.join(recipe.skills)}, "
+                          f"{recipe.steps} warm-up steps)", highlight=False)
+    path = build_with_progress(out, recipe, force)
     info = build_info(path)
+    plugins = recipe.as_dict().get("plugins")
     result = {"path": str(path), "cached": cached, "seconds": round(time.monotonic() - start, 2),
+              "skills": list(recipe.skills), **({"plugins": plugins} if plugins else {}),
               **{k: info[k] for k in ("recipe_hash", "weights_hash", "parameters", "steps", "final_loss",
                                       "validation_accuracy", "build_seconds")}}
     if json_out:

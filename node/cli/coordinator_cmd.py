@@ -39,7 +39,11 @@ def run(
     from skillswarm.node.coordinator import Coordinator, MergeOptions, verify_checkpoint
     from skillswarm.node.pull import find_checkpoint
     from skillswarm.node.session import open_session, stop_on_signals
+    from skillswarm.protocol.netspec import load_spec
+    from skillswarm.skills.registry import check_network
 
+    spec = load_spec(network)
+    check_network(spec, spec.skills)  # it evaluates every skill: each plugin must be the network's version
     options = MergeOptions(threads=threads, chunk_elems=chunk_elems)
     if threads:
         import torch

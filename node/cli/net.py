@@ -19,6 +19,25 @@ _SCREEN, _TRUST = ScreenPolicy(), TrustPolicy()  # the policies' own defaults, s
 app = typer.Typer(help="Create and inspect networks.", no_args_is_help=True)
 
 
+def _plugin_pins(skills: list[str]) -> dict[str, dict[str, str]]:
+    """The version of every plugin skill among `skills` (built-ins are versioned with skillswarm itself);
+    a skill this machine does not have cannot be pinned, so it is an error."""
+    from skillswarm.skills.registry import get_skill, is_builtin, plugin_names, plugin_version
+
+    pins = {}
+    for name in dict.fromkeys(skills):
+        if is_builtin(name):
+            continue
+        if name not in plugin_names():
+            fail(f"skill {name!r} is not installed on this machine (see `skillswarm skills list`): install the plugin "
+                 "that provides it first, so that the network file records its version")
+        pin = plugin_version(get_skill(name))
+        if pin is not None:
+            pins[name] = {"version": pin.version, "distribution": pin.distribution,
+                          "distribution_version": pin.distribution_version}
+    return pins
+
+
 def _resolve_base(model: str, revision: str | None) -> str:
     """The state-dict hash of the base model's weights: a local directory, or a hub id (downloaded)."""
     from skillswarm.protocol.hashing import weights_hash
@@ -69,6 +88,7 @@ def init(
     """Write a new network file (the genesis: base model and its hash, skills, trusted coordinators, policy)."""
     if out.exists() and not force:
         fail(f"{out} exists; pass --force to overwrite it")
+    pins = _plugin_pins(skill)
     ident = Identity.load_or_create(key)
     base_hash = _resolve_base(model, revision)
     try:
@@ -81,13 +101,16 @@ def init(
                 "merge": {**msgspec.to_builtins(MergePolicy()), "method": method, "density": density, "lambda": scale},
                 "trust": {**msgspec.to_builtins(_TRUST), "admission": admission, "workers": worker or []},
                 "screen": {**msgspec.to_builtins(_SCREEN), "eval_n": screen_eval_n, "confidence": confidence},
+                **({"skill_versions": pins} if pins else {}),  # none: the file reads exactly as before plugins
             },
             NetworkSpec,
         )
     except (msgspec.ValidationError, ValueError) as e:
         fail(f"invalid network settings: {e}")
     save_spec(ident.sign_record(spec), out)
-    console.print(f"wrote [bold]{out}[/] for network [bold]{name}[/] (base {base_hash[:12]}, {len(skill)} skills)")
+    pinned = "".join(f"; {n} {p['version']} from {p['distribution']}" for n, p in pins.items())
+    console.print(f"wrote [bold]{out}[/] for network [bold]{name}[/] (base {base_hash[:12]}, {len(skill)} skills"
+                  f"{pinned})", highlight=False)
 
 
 @app.command("show")
@@ -97,9 +120,12 @@ def show(path: Annotated[Path, typer.Argument(help="Network file.")] = Path("net
     if json:
         print_json(msgspec.to_builtins(spec) | {"signature": spec.signature.hex()})
         return
+    pins = spec.plugin_versions()
     rows = [
         ["name", spec.network], ["base model", spec.base_model], ["base hash", spec.base_hash],
         ["skills", ", ".join(spec.skills)],
+        *([["plugin versions", "\n".join(f"{n} {v.version} ({v.distribution} {v.distribution_version})"
+                                          for n, v in pins.items())]] if pins else []),
         ["coordinators", ", ".join(fingerprint(k) for k in spec.coordinators) or "(none: no checkpoint can be trusted)"],
         ["bootstrap", "\n".join(spec.bootstrap) or "(none)"], ["codec", spec.codec],
         ["round", f"{spec.round.steps_per_round} steps, >= {spec.round.min_deltas} deltas, <= {spec.round.max_wait_s:g} s"],

@@ -39,7 +39,10 @@ def run(
     each round's delta. Ctrl-C finishes the current step and exits cleanly; a restart resumes."""
     from skillswarm.node.session import open_session, stop_on_signals
     from skillswarm.node.worker import Worker, WorkerOptions
+    from skillswarm.protocol.netspec import load_spec
+    from skillswarm.skills.registry import check_network
 
+    check_network(load_spec(network), [skill])  # before joining: a wrong plugin version must not start a peer
     extra = {k: v for k, v in {"group_size": group_size, "batch": batch, "threads": threads,
                                   "eval_n": eval_n}.items() if v is not None}
     with stop_on_signals() as stop, open_session(network, key=key, peers=peers, host=host, port=port,

@@ -19,7 +19,7 @@ from skillswarm.protocol.atomic import atomic_write_text
 from skillswarm.protocol.errors import ModelError
 from skillswarm.protocol.hashing import weights_hash
 from skillswarm.protocol.paths import cache_dir
-from skillswarm.skills.nano.recipe import DEFAULT_RECIPE, NanoRecipe
+from skillswarm.skills.nano.recipe import DEFAULT_RECIPE, NanoRecipe, pin_plugins
 from skillswarm.skills.nano.warmup import Progress
 
 log = logging.getLogger(__name__)
@@ -111,8 +111,9 @@ def build_base(out_dir: Path | None = None, seed: int = 0, recipe: NanoRecipe | 
 
     With `cache` (default) the model is built once per recipe into the cache dir and reused; `out_dir`
     then receives a copy. Without it, the model is built straight into `out_dir`. `force` rebuilds
-    even when cached. `seed` overrides the recipe's seed (part of the cache key)."""
-    recipe = (recipe or DEFAULT_RECIPE).with_(seed=seed)
+    even when cached. `seed` overrides the recipe's seed (part of the cache key). Plugin skills are pinned
+    to their installed versions first (`pin_plugins`), so another version of a plugin is another build."""
+    recipe = pin_plugins((recipe or DEFAULT_RECIPE).with_(seed=seed))
     out = Path(out_dir).expanduser().resolve() if out_dir is not None else None
     if out is not None:
         _check_out(out, force)

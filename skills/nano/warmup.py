@@ -1,6 +1,6 @@
-"""The nano model's supervised warm-up: demonstrations of every built-in skill, played by each skill's
-reference player through the real environment (tool turns included), rendered by the chat template,
-trained on the model's tokens only.
+"""The nano model's supervised warm-up: demonstrations of every skill of the recipe (built-ins and any
+plugin), played by each skill's reference player through the real environment (tool turns included),
+rendered by the chat template, trained on the model's tokens only.
 
 Deliberately partial: the model should be partly competent on every skill, so that RL has room to
 improve it. Tiny models learn these skills in sudden jumps, at different times, so a fixed step count
@@ -76,6 +76,12 @@ def collate(skill: Skill, tokenizer: Any, tasks: list[Task], rng: random.Random,
         if t.id not in played:
             played[t.id] = demo_messages(skill, t, seed)
     seqs = [episode_tokens(tokenizer, played[t.id]) for t in tasks]
+    unk = getattr(tokenizer, "unk_token_id", None)
+    for t, (ids, _) in zip(tasks, seqs):
+        if unk is not None and unk in ids:
+            raise SkillError(f"the {skill.name} skill writes text the model's tokenizer cannot represent ({t.id}: "
+                             f"{_unknown_chars(tokenizer, played[t.id])}); the nano tokenizer knows printable ASCII "
+                             "and newline only, so keep prompts, tool output and answers to those")
     width = max(len(ids) for ids, _ in seqs)
     input_ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
     labels = torch.full((len(seqs), width), -100, dtype=torch.long)
@@ -86,6 +92,12 @@ def collate(skill: Skill, tokenizer: Any, tasks: list[Task], rng: random.Random,
         attention[row, : len(ids)] = 1
         labels[row, : len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), t, torch.tensor(-100))
     return {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
+
+
+def _unknown_chars(tokenizer: Any, messages: list[Message]) -> str:
+    """The characters of `messages` that `tokenizer` maps to its unknown token, for error messages."""
+    chars = sorted({c for m in messages for c in m.content})
+    return " ".join(repr(c) for c in chars if tokenizer.convert_tokens_to_ids(c) == tokenizer.unk_token_id) or "?"
 
 
 def solved(model: torch.nn.Module, data: dict[str, torch.Tensor]) -> float:
@@ -131,6 +143,9 @@ class _SkillData:
             with ThreadPoolExecutor(max_workers=2) as ex:
                 self.played = dict(zip([t.id for t in todo], ex.map(lambda t: demo_messages(skill, t), todo)))
         self.val = collate(skill, tokenizer, val_tasks, rng, self.played)
+        if self.val["input_ids"].shape[1] > recipe.max_positions:
+            raise SkillError(f"a {skill.name} episode takes {self.val['input_ids'].shape[1]} tokens, over the nano "
+                             f"model's {recipe.max_positions} positions: shorten its system prompt, tasks or turns")
         self.active = True
 
     def sample(self, n: int) -> dict[str, torch.Tensor]:
