@@ -89,14 +89,14 @@ def test_one_round_end_to_end(nano_model: Path, tmp_path: Path) -> None:
                                   files=[FileEntry(path="config.json", sha256="2" * 64, size=10)])
         rogue.put(fake, 600, keep=True)  # peers with the network file refuse it; none may ever show it
 
-        coordinator = _start(["coordinator", "run", *join, "--key", str(coord_key), "--eval-n", "16"],
+        coordinator = _start(["coordinator", "run", *join, "--key", str(coord_key), "--eval-n", "16", "--report-to", "tensorboard"],
                              tmp_path / "h-coord", logs / "coordinator.log")
         procs.append(coordinator)
         workers = {}
         for skill in ("reverse", "sort"):
             workers[skill] = _start(["node", "run", *join, "--skill", skill, "--rounds", "1", "--group-size", "4",
                                      "--batch", "2", "--threads", "1", "--eval-n", "16", "--no-progress",
-                                     *(["--lora"] if skill == "reverse" else [])],
+                                     *(["--lora"] if skill == "reverse" else ["--report-to", "tensorboard"])],
                                     tmp_path / f"h-{skill}", logs / f"{skill}.log")
             procs.append(workers[skill])
         everyone = _descendants(procs)
@@ -140,6 +140,19 @@ def test_one_round_end_to_end(nano_model: Path, tmp_path: Path) -> None:
     assert sorted(d.skill for d in manifest.included) == ["reverse", "sort"] and not manifest.rejected
     assert set(manifest.metrics) == {"reverse", "sort"}
     assert weights_hash(out) == manifest.weights_hash != spec.base_hash
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    # --report-to: the coordinator's merges and the sort worker's training steps, as TensorBoard scalars
+    boards = {"coordinator": next((tmp_path / "h-coord").rglob("tracking/tensorboard")),
+              "sort": next((tmp_path / "h-sort").rglob("tensorboard"))}
+    tags = {}
+    for who, path in boards.items():
+        acc = EventAccumulator(str(path))
+        acc.Reload()
+        tags[who] = set(acc.Tags()["scalars"])
+    assert {"round/accuracy/reverse", "round/accuracy/sort", "round/included"} <= tags["coordinator"], tags
+    assert {"train/reward", "eval/accuracy"} <= tags["sort"], tags
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -32,6 +32,8 @@ def run(
     announce: AnnounceOpt = None,
     auto_relay: AutoRelayOpt = False,
     key: KeyOpt = None,
+    report_to: Annotated[Optional[list[str]], typer.Option(help="Also send each merge's per-skill accuracy and counts to "
+                                                           "tensorboard or wandb (under the store's tracking/); repeatable.")] = None,
     json: JsonOpt = False,
 ) -> None:
     """Collect, verify, screen and merge each round's deltas; evaluate every skill; publish the signed
@@ -73,7 +75,15 @@ def run(
                 raise typer.Exit(3)
             return
 
+        from skillswarm.node.tracking import open_trackers, send
+
+        trackers = open_trackers(report_to or [], s.store.root / "tracking", f"coordinator-{s.spec.network}",
+                                 {"network": s.spec.network, "skills": list(s.spec.skills)})
+
         def event(kind: str, data: dict) -> None:
+            if kind == "merged":
+                send(trackers, {"kind": "round", "step": data["version"], "accuracy": data["metrics"],
+                                "included": data["included"], "rejected": data["rejected"], "seconds": data["seconds"]})
             if kind == "published":
                 console.print(f"published checkpoint v{data['version']} ({data['weights_hash'][:12]})")
             elif kind == "round":
@@ -92,5 +102,9 @@ def run(
                               interval=10.0, ttl=30.0)
         console.print(f"coordinator [bold]{s.identity.peer_id}[/] for {s.spec.network}; listening on "
                       f"{', '.join(s.dht.visible_maddrs()[:2])}", highlight=False)
-        reports = coordinator.run(stop, max_rounds=rounds)
+        try:
+            reports = coordinator.run(stop, max_rounds=rounds)
+        finally:
+            for tracker in trackers:
+                tracker.close()
     console.print(f"stopped after {len(reports)} merge(s).")

@@ -34,6 +34,8 @@ def run(
     auto_relay: AutoRelayOpt = False,
     key: KeyOpt = None,
     progress: Annotated[bool, typer.Option(help="Show training progress bars.")] = True,
+    report_to: Annotated[Optional[list[str]], typer.Option(help="Also send each round's training metrics to tensorboard "
+                                                           "or wandb (one tracker run per round); repeatable.")] = None,
 ) -> None:
     """Join the network, pull the latest trusted checkpoint, train rounds of GRPO on SKILL and publish
     each round's delta. Ctrl-C finishes the current step and exits cleanly; a restart resumes."""
@@ -44,7 +46,7 @@ def run(
 
     check_network(load_spec(network), [skill])  # before joining: a wrong plugin version must not start a peer
     extra = {k: v for k, v in {"group_size": group_size, "batch": batch, "threads": threads,
-                                  "eval_n": eval_n}.items() if v is not None}
+                                  "eval_n": eval_n, "report_to": tuple(report_to or ()) or None}.items() if v is not None}
     with stop_on_signals() as stop, open_session(network, key=key, peers=peers, host=host, port=port,
                                                  announce=announce or (), auto_relay=auto_relay) as s:
         console.print(f"worker [bold]{s.identity.peer_id}[/] on [bold]{skill}[/] in network {s.spec.network}; "
