@@ -50,7 +50,7 @@ def open_session(network_file: Path, *, key: Path | None = None, peers: Sequence
     from skillswarm.protocol.transport.validation import StorePolicy
 
     spec = load_spec(network_file)
-    identity = Identity.generate() if ephemeral_key else Identity.load_or_create(key)
+    identity = Identity.generate() if ephemeral_key else Identity.claim(key)
     dht = SwarmDHT(spec.network, identity, host=host, port=port, initial_peers=join_addresses(spec, peers),
                    announce_maddrs=announce, use_auto_relay=auto_relay, client_mode=client_mode,
                    policy=StorePolicy.from_spec(spec))

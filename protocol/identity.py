@@ -100,6 +100,14 @@ class Identity:
                                     "directory you can write (or set SKILLSWARM_KEY)") from None
         return cls.load(path)
 
+    @classmethod
+    def claim(cls, path: Path | str | None = None) -> "Identity":
+        """`load_or_create`, and hold the key for the life of this process: one key is one peer id, and two
+        nodes sharing it look like one peer that keeps changing address (IdentityError names the holder)."""
+        identity = cls.load_or_create(path)
+        _hold(Path(path).expanduser() if path else default_key_path())
+        return identity
+
     @staticmethod
     def _create(path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -142,6 +150,31 @@ class Identity:
             unsigned = decode_record(encode_record(unsigned), type(record))
         signature = self._key.sign(_SIGNING_PREFIX + canonical_bytes(unsigned))
         return msgspec.structs.replace(unsigned, signature=signature)
+
+
+_held: dict[Path, int] = {}  # key file -> the descriptor whose lock this process holds
+
+
+def _hold(path: Path) -> None:
+    """Take an exclusive lock on KEY.lock (released by the kernel when this process ends, however it ends)."""
+    import fcntl
+    import sys
+
+    lock = path.with_name(path.name + ".lock").resolve()
+    if lock in _held:
+        return
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise IdentityError(f"the key {path} is in use by {holder} on this machine; two nodes with one key are one "
+                            "peer id to the network, which cannot tell them apart: give this node its own key with "
+                            "--key FILE (created on first use)") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"process {os.getpid()} ({' '.join(['skillswarm', *sys.argv[1:3]])})".encode())
+    _held[lock] = fd
 
 
 def verify_record(record: Record, *, network: str, trusted: Iterable[str] | None = None) -> None:

@@ -41,3 +41,23 @@ def test_unexpected_errors_are_one_line_unless_verbose() -> None:
     loud = subprocess.run([sys.executable, "-c", script, "-v"], capture_output=True, text=True, timeout=120)
     assert loud.returncode == 1 and "kaboom" in loud.stderr and "Traceback" in loud.stderr
 
+
+
+def test_a_key_in_use_by_another_process_is_named(tmp_path: Path) -> None:
+    key = tmp_path / "shared.key"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom skillswarm.protocol.identity import Identity\n"
+                               f"Identity.claim({str(key)!r})\nprint('held', flush=True)\ntime.sleep(60)\n"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"  # type: ignore[union-attr]
+        proc = run_cli("net", "serve", "--key", str(key), "--port", "0", check=False, timeout=60)
+        text = " ".join(proc.stderr.split())
+        assert proc.returncode == 1 and f"the key {key} is in use by process {holder.pid}" in text, text
+        assert "--key FILE" in text and "Traceback" not in text
+    finally:
+        holder.kill()
+        holder.wait()
+    # the kernel drops the lock with its holder: the key is free again
+    from skillswarm.protocol.identity import Identity
+
+    assert Identity.claim(key).public_key_hex

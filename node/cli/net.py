@@ -209,7 +209,7 @@ def serve(
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    dht = SwarmDHT(spec.network if spec else None, Identity.load_or_create(key), host=host, port=port,
+    dht = SwarmDHT(spec.network if spec else None, Identity.claim(key), host=host, port=port,
                    initial_peers=peers or (), announce_maddrs=announce or (), use_auto_relay=auto_relay, use_relay=relay,
                    policy=StorePolicy.from_spec(spec) if spec else None)
     with dht:
