@@ -28,6 +28,7 @@ def test_net_init_writes_a_valid_signed_spec(tmp_path: Path, tiny_model_dir: Pat
     assert "lambda = 0.7" in out.read_text()  # TOML uses mergekit's word
     shown = json.loads(run_cli("net", "show", str(out), "--json").stdout)
     assert shown["network"] == "alpha" and shown["merge"]["lambda"] == 0.7
+    assert json.loads(run_cli("net", "show", "--network", str(out), "--json").stdout) == shown  # as every command takes it
     again = run_cli("net", "init", "--name", "alpha", "--model", str(tiny_model_dir), "--skill", "arith",
                     "--out", str(out), check=False)
     assert again.returncode != 0 and "--force" in again.stderr

@@ -114,9 +114,15 @@ def init(
 
 
 @app.command("show")
-def show(path: Annotated[Path, typer.Argument(help="Network file.")] = Path("network.toml"), json: JsonOpt = False) -> None:
-    """Validate a network file and print what it says."""
-    spec = load_spec(path)
+def show(path: Annotated[Optional[Path], typer.Argument(help="Network file (the same as --network).",
+                                                        show_default=False)] = None,
+         network: Annotated[Optional[Path], typer.Option("--network", help="Network file (from `skillswarm net init`). "
+                                                         "Default: network.toml.")] = None,
+         json: JsonOpt = False) -> None:
+    """Validate a network file and print what it says (`--network FILE`, as every other command takes it)."""
+    if path is not None and network is not None and path != network:
+        fail(f"two network files given ({path} and --network {network}); give one")
+    spec = load_spec(network or path or Path("network.toml"))
     if json:
         print_json(msgspec.to_builtins(spec) | {"signature": spec.signature.hex()})
         return

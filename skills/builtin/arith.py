@@ -1,4 +1,4 @@
-"""`arith`: single-turn addition and subtraction of 1-3 digit numbers, answered in <answer>N</answer>."""
+"""`arith`: single-turn addition and subtraction of 1-2 digit numbers, answered in <answer>N</answer>."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ SYSTEM = f"Reply {format_answer('N')}."
 
 
 class ArithTasks(TaskBank):
-    """a+b or a-b (a >= b, so results are never negative); each operand has 1 to 3 digits (uniformly),
+    """a+b or a-b (a >= b, so results are never negative); each operand has 1 to 2 digits (uniformly),
     so difficulty is spread from memorisable facts to multi-digit carries."""
 
     def __init__(self, min_digits: int = 1, max_digits: int = 2) -> None:
@@ -51,7 +51,7 @@ def reference(task: Task, messages: list[Message]) -> str:
 def make_skill() -> Skill:
     """The `arith` skill."""
     return Skill(
-        name="arith", version="1", description="add or subtract two 1-3 digit numbers (single turn)",
+        name="arith", version="1", description="add or subtract two 1-2 digit numbers (single turn)",
         tasks=ArithTasks(), env=Environment(system_prompt=SYSTEM, max_turns=1),
         rubric=Rubric([RewardFunc(exact_answer, 1.0), RewardFunc(formatted, 0.0)]), reference=reference,
     )
