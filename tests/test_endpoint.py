@@ -189,12 +189,14 @@ def test_ingest_logged_traces_then_train(nano_model: Path, tmp_path: Path) -> No
     proc = run_cli("ingest", str(bad), "--store", str(store), "--model", str(nano_model), check=False)
     assert proc.returncode == 1 and "line 2: reward must be a number" in proc.stderr and "Traceback" not in proc.stderr
     assert len(_groups(store)) == 2  # nothing of the bad file landed
-    trained = json.loads(run_cli("train", "--skill", "external:logs", "--store", str(store), "--model", str(nano_model),
-                                 "--steps", "5", "--batch", "2", "--eval-n", "0", "--out", str(tmp_path / "run"),
-                                 "--json", timeout=300).stdout)
-    assert trained["stats"]["steps"] == 1 and trained["stats"]["samples"] == 4  # the store held one batch
-    proc = run_cli("train", "--skill", "external:logs", "--model", str(nano_model), check=False)
-    assert proc.returncode == 1 and "--store DIR" in proc.stderr
+    from skillswarm.node.train import TrainConfig, train
+    from skillswarm.protocol.errors import TrainError
+
+    trained = train(TrainConfig(model_dir=nano_model, skill="external:logs", store=store, steps=5, batch=2, eval_n=0,
+                                out_dir=tmp_path / "run"), progress=False)
+    assert trained.stats.steps == 1 and trained.stats.samples == 4  # the store held one batch
+    with pytest.raises(TrainError, match="--store DIR"):
+        TrainConfig(model_dir=nano_model, skill="external:logs").validate()
 
 
 def test_train_serve_trains_behind_the_api(nano_model: Path, tmp_path: Path) -> None:

@@ -170,9 +170,9 @@ def test_evaluate_counts_every_outcome_including_env_errors(engine: HFEngine) ->
 
 def test_eval_cli_prints_the_json_keys(nano_model: Path) -> None:
     out = json.loads(run_cli("eval", "--model", str(nano_model), "--skill", "reverse", "--n", "10", "--json").stdout)
-    assert set(out) == {"skill", "n", "accuracy", "mean_reward", "outcomes"}
+    assert set(out) == {"skill", "n", "accuracy", "mean_reward", "outcomes", "rubric"}
     assert out["skill"] == "reverse" and out["n"] == 10 and sum(out["outcomes"].values()) == 10
     text = run_cli("eval", "--model", str(nano_model), "--skill", "calc", "--n", "4").stdout
-    assert "accuracy" in text and "timeout" in text
+    assert "accuracy" in text and "timeout" in text and "tool_calls_made" in text  # a weight-0 metric of calc's rubric
     proc = run_cli("eval", "--model", str(nano_model), "--skill", "nope", check=False)
     assert proc.returncode == 1 and "unknown skill" in proc.stderr

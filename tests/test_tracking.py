@@ -21,7 +21,6 @@ def test_rubric_metrics_reach_eval_metrics_and_trackers(nano_model: Path, tmp_pa
 
     shown = json.loads(run_cli("eval", "--skill", "calc", "--model", str(nano_model), "--n", "8", "--json").stdout)
     assert {"exact_answer", "good_call", "tool_calls_made"} <= set(shown["rubric"])  # tool_calls_made: weight 0
-    assert "tool_calls_made" in run_cli("eval", "--skill", "calc", "--model", str(nano_model), "--n", "4").stdout
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
