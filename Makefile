@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install sandbox-deps test demo clean
+.PHONY: install sandbox-deps browser-deps test demo clean
 
 $(BIN)/skillswarm: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,20 @@ sandbox-deps:
 install: $(BIN)/skillswarm sandbox-deps
 	@$(BIN)/skillswarm -q sandbox check >/dev/null
 
-test: install
+# The dashboard's test drives a real headless browser: Debian's chromium and its driver, installed here as
+# root (CI); elsewhere that one test skips and says what to install.
+browser-deps:
+	@{ command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; } || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing chromium and chromedriver (the dashboard test's browser)"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null 2>&1 || \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } || \
+	    echo "note: could not install chromium; the dashboard's browser test will skip"; \
+	  else \
+	    echo "note: the dashboard's browser test needs chromium and chromedriver (sudo apt-get install chromium chromium-driver); it skips without them"; \
+	  fi; }
+
+test: install browser-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The whole swarm on 127.0.0.1 on the nano model (built and cached on first use); see README.

@@ -63,6 +63,70 @@ def _wait_exit(p: subprocess.Popen, log: Path, timeout: float) -> int:
         raise AssertionError(f"{p.args[1:3]} still running after {timeout} s:\n{log.read_text()[-3000:]}") from None
 
 
+def _browser() -> object | None:
+    """Headless Debian chromium through selenium, or None when this machine has no browser (the caller skips)."""
+    import shutil
+
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    chromium, driver = shutil.which("chromium") or shutil.which("chromium-browser"), shutil.which("chromedriver")
+    if not (chromium and driver):
+        return None
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1200,1400"):
+        options.add_argument(flag)
+    return webdriver.Chrome(service=Service(driver), options=options)
+
+
+def _dashboard_shows_the_round(join: list[str], home: Path, log: Path) -> None:
+    """`net dashboard` against the live network, loaded in a real browser: peers by role, both shards with
+    their contributors, round v1 with its included deltas, and a chart line per skill."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    proc = _start(["net", "dashboard", *join, "--port", "0", "--refresh", "0.5"], home, log)
+    browser = None
+    try:
+        deadline = time.monotonic() + 60
+        url = None
+        while url is None and time.monotonic() < deadline and proc.poll() is None:
+            found = re.search(r"(http://127\.0\.0\.1:\d+/)", log.read_text())
+            url = found.group(1) if found else time.sleep(0.2)
+        assert url, log.read_text()
+        browser = _browser()
+        if browser is None:  # the rest of the end-to-end test still runs; test_dashboard_has_a_browser says why
+            return
+        browser.get(url)  # type: ignore[attr-defined]
+        wait = WebDriverWait(browser, 30)
+        wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#rounds tr[data-version='1']"))
+        assert browser.find_element(By.ID, "network").text == "e2e"  # type: ignore[attr-defined]
+        roles = {r.get_attribute("data-role") for r in browser.find_elements(By.CSS_SELECTOR, "#peers tbody tr")}  # type: ignore[attr-defined]
+        assert {"coordinator", "bootstrap"} <= roles, roles
+        shards = {r.get_attribute("data-skill"): r.text for r in browser.find_elements(By.CSS_SELECTOR, "#skills tbody tr")}  # type: ignore[attr-defined]
+        assert set(shards) == {"reverse", "sort"} and all("(v1)" in text for text in shards.values()), shards
+        round_one = browser.find_element(By.CSS_SELECTOR, "#rounds tr[data-version='1']").text  # type: ignore[attr-defined]
+        assert "reverse" in round_one and "sort" in round_one, round_one
+        lines = {e.get_attribute("data-skill") for e in browser.find_elements(By.CSS_SELECTOR, "#chart polyline")}  # type: ignore[attr-defined]
+        assert lines == {"reverse", "sort"}, lines
+    finally:
+        if browser is not None:
+            browser.quit()  # type: ignore[attr-defined]
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_dashboard_has_a_browser() -> None:
+    """The end-to-end test checks the dashboard in this browser; without one, that check is skipped, and this says so."""
+    browser = _browser()
+    if browser is None:
+        pytest.skip("no browser for the dashboard check: apt-get install chromium chromium-driver (make test does, as root)")
+    browser.get("data:text/html,<title>ok</title>")  # type: ignore[attr-defined]
+    assert browser.title == "ok"  # type: ignore[attr-defined]
+    browser.quit()  # type: ignore[attr-defined]
+
+
 def test_one_round_end_to_end(nano_model: Path, tmp_path: Path) -> None:
     coord_key = tmp_path / "coordinator.key"
     spec_file = tmp_path / "net.toml"
@@ -120,6 +184,8 @@ def test_one_round_end_to_end(nano_model: Path, tmp_path: Path) -> None:
                            *join, timeout=180, env={"SKILLSWARM_HOME": str(tmp_path / "h-verifier")})
         check = json.loads(verified.stdout)
         assert check["match"] is True and check["recomputed_merged_delta"] == check["published_merged_delta"], check
+
+        _dashboard_shows_the_round(join, tmp_path / "h-dashboard", logs / "dashboard.log")
 
         for p in (coordinator, boot):
             p.terminate()

@@ -254,13 +254,15 @@ def peers_cmd(
     """Join briefly and list the nodes online: peer id, role, skills, engine, hardware, last seen."""
     import time
 
+    from skillswarm.node.network_view import peers_view
+
     spec = load_spec(network)
     with _observer(spec, peers) as dht:
         found = dht.get_peers()
+        view = peers_view(dht, spec)
     now = time.time()
     if json:
-        print_json({"network": spec.network, "peers": [
-            {**msgspec.to_builtins(p), "signature": p.signature.hex(), "last_seen_s": round(now - p.created, 1)} for p in found]})
+        print_json(view)
         return
     rows = [[_short(p.peer_id), p.role, ", ".join(p.skills) or "-", p.engine, _hardware(p.hardware),
              "-" if p.checkpoint_version is None else p.checkpoint_version, p.state, _ago(now - p.created)] for p in found]
@@ -275,36 +277,23 @@ def status(
     json: JsonOpt = False,
 ) -> None:
     """Join briefly and show this node's view: peers by role, skills covered, checkpoint versions seen."""
-    from collections import Counter
+    from skillswarm.node.network_view import status_view
 
     spec = load_spec(network)
     joined = _join_peers(spec, peers)
     with _observer(spec, peers) as dht:
-        online = dht.get_peers()
-        checkpoints = dht.get_checkpoints(trusted=spec.coordinators)
-        latest = max((c.version for c in checkpoints), default=None)
-        deltas = dht.get_deltas(latest if latest is not None else 0)
-        connected = len(dht.connected_peers())
-    roles = Counter(p.role for p in online)
-    skills = {s: sum(1 for p in online if p.role == "worker" and s in p.skills) for s in spec.skills}
-    view = {
-        "network": spec.network, "joined_via": joined, "connections": connected, "peers_online": len(online),
-        "roles": dict(roles), "workers_per_skill": skills, "latest_checkpoint": latest,
-        "checkpoint_versions": sorted({c.version for c in checkpoints}),
-        "deltas_on_latest": len(deltas), "trusted_coordinators": len(spec.coordinators),
-        "coordinators": [{"peer_id": p.peer_id, "state": p.state, "note": p.note,
-                          "trusted": p.author in spec.coordinators} for p in online if p.role == "coordinator"],
-    }
+        view = status_view(dht, spec, joined)
+    roles, skills, latest, connected = view["roles"], view["workers_per_skill"], view["latest_checkpoint"], view["connections"]
     if json:
         print_json(view)
         return
     rows = [
         ["network", spec.network], ["joined via", "\n".join(joined)], ["libp2p connections", connected],
-        ["peers online", f"{len(online)} ({', '.join(f'{n} {r}' for r, n in sorted(roles.items())) or 'none'})"],
+        ["peers online", f"{view['peers_online']} ({', '.join(f'{n} {r}' for r, n in sorted(roles.items())) or 'none'})"],
         ["workers per skill", ", ".join(f"{s}: {n}" for s, n in skills.items())],
         ["latest checkpoint", "none yet (version 0 is the base model)" if latest is None else f"v{latest}"],
         ["versions seen", ", ".join(f"v{v}" for v in view["checkpoint_versions"]) or "-"],
-        ["deltas on latest", len(deltas)],
+        ["deltas on latest", view["deltas_on_latest"]],
     ]
     for c in view["coordinators"]:
         trust = "" if c["trusted"] else " (not trusted by this network file)"

@@ -7,11 +7,11 @@ import time
 from pathlib import Path
 from typing import Annotated, Optional
 
-import msgspec
 import typer
 
 from skillswarm.node.cli.common import JsonOpt, console, print_json, table
 from skillswarm.node.cli.net import NetworkOpt, PeersOpt, _ago, _observer, app
+from skillswarm.node.network_view import checkpoints_view, deltas_view, skills_view
 from skillswarm.protocol.identity import fingerprint
 from skillswarm.protocol.netspec import load_spec
 
@@ -25,25 +25,10 @@ def skills_cmd(network: NetworkOpt = Path("network.toml"), peers: PeersOpt = Non
     """Each skill shard: its contributors (workers online), their latest progress, and the latest merged score."""
     spec = load_spec(network)
     with _observer(spec, peers) as dht:
-        online = dht.get_peers()
-        stats = {s: dht.get_skill_stats(s) for s in spec.skills}
-        latest = dht.latest_checkpoint(trusted=spec.coordinators)
-    now = time.time()
-    out = []
-    for s in spec.skills:
-        workers = [p for p in online if p.role == "worker" and s in p.skills]
-        rows = sorted(stats[s], key=lambda r: -r.created)
-        metric = latest.metrics.get(s) if latest else None
-        out.append({
-            "skill": s, "workers_online": len(workers),
-            "contributors": [{"author": fingerprint(r.author), "checkpoint_version": r.checkpoint_version,
-                              "steps": r.stats.steps, "mean_reward": r.stats.mean_reward,
-                              "accuracy_after": r.stats.accuracy_after, "updated_s": round(now - r.created, 1)} for r in rows],
-            "merged_accuracy": None if metric is None else metric.accuracy,
-            "merged_version": None if latest is None else latest.version,
-        })
+        view = skills_view(dht, spec)
+    out = view["skills"]
     if json:
-        print_json({"network": spec.network, "skills": out})
+        print_json(view)
         return
     rows = []
     for o in out:
@@ -65,24 +50,10 @@ def deltas_cmd(
     """Deltas per base version with their screening result (from the manifest that merged them)."""
     spec = load_spec(network)
     with _observer(spec, peers) as dht:
-        latest = dht.latest_checkpoint(trusted=spec.coordinators)
-        top = latest.version if latest else 0
-        versions = [version] if version is not None else sorted({max(top - 1, 0), top})
-        found = {v: dht.get_deltas(v) for v in versions}
-        merged = {v: dht.get_checkpoint(v + 1, trusted=spec.coordinators) for v in versions}
-    out = []
-    for v in versions:
-        m = merged[v]
-        included = {d.blob for d in m.included} if m else set()
-        reasons = {r.blob: r.reason for r in m.rejected} if m else {}
-        for d in found[v]:
-            verdict = "pending" if m is None else "included" if d.blob in included else "rejected" if d.blob in reasons else "late"
-            out.append({"base_version": v, "skill": d.skill, "author": fingerprint(d.author), "blob": d.blob,
-                        "size": d.size, "codec": d.codec, "norm": d.norm, "steps": d.stats.steps,
-                        "accuracy_before": d.stats.accuracy_before, "accuracy_after": d.stats.accuracy_after,
-                        "screening": verdict, "reason": reasons.get(d.blob)})
+        view = deltas_view(dht, spec, version)
+    out = view["deltas"]
     if json:
-        print_json({"network": spec.network, "deltas": out})
+        print_json(view)
         return
     rows = [[f"v{o['base_version']}", o["skill"], o["author"], o["blob"][:12], f"{o['size'] / 1e6:.1f} MB", o["codec"],
              f"{o['norm']:.3g}", f"{_pct(o['accuracy_before'])} -> {_pct(o['accuracy_after'])}",
@@ -96,14 +67,43 @@ def checkpoints_cmd(network: NetworkOpt = Path("network.toml"), peers: PeersOpt 
     """Checkpoint history (trusted coordinators only): parents, merge method, deltas in and out, per-skill metrics."""
     spec = load_spec(network)
     with _observer(spec, peers) as dht:
-        found = dht.get_checkpoints(trusted=spec.coordinators)
+        view = checkpoints_view(dht, spec)
     if json:
-        print_json({"network": spec.network, "checkpoints": [
-            {**msgspec.to_builtins(c), "signature": c.signature.hex()} for c in found]})
+        print_json(view)
         return
-    rows = [[f"v{c.version}", "-" if c.parent_version is None else f"v{c.parent_version}", c.weights_hash[:12],
-             c.method or "base", len(c.included), len(c.rejected),
-             ", ".join(f"{k} {_pct(m.accuracy)}" for k, m in sorted(c.metrics.items())) or "-",
-             fingerprint(c.author), _ago(time.time() - c.created)] for c in found]
+    rows = [[f"v{c['version']}", "-" if c["parent_version"] is None else f"v{c['parent_version']}", c["weights_hash"][:12],
+             c["method"] or "base", len(c["included"]), len(c["rejected"]),
+             ", ".join(f"{k} {_pct(m['accuracy'])}" for k, m in sorted(c["metrics"].items())) or "-",
+             fingerprint(c["author"]), _ago(time.time() - c["created"])] for c in view["checkpoints"]]
     console.print(table(f"checkpoints of {spec.network}", ["version", "parent", "weights", "method", "in", "out",
                                                             "accuracy", "coordinator", "published"], rows))
+
+
+@app.command("dashboard")
+def dashboard_cmd(
+    network: NetworkOpt = Path("network.toml"), peers: PeersOpt = None,
+    host: Annotated[str, typer.Option(help="Address to serve the page on (127.0.0.1: this machine only).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port of the page (0: any free port).", min=0, max=65535)] = 8080,
+    refresh: Annotated[float, typer.Option(help="Seconds between refreshes of the view.", min=0.5)] = 3.0,
+) -> None:
+    """A live web page of the network (http://HOST:PORT/): peers by role and shard, each shard's contributors and
+    rewards, rounds with their included and rejected deltas, and per-skill accuracy over checkpoint versions."""
+    import uvicorn
+
+    from skillswarm.node.cli.net import _join_peers
+    from skillswarm.node.dashboard import Watcher, create_app
+    from skillswarm.node.endpoint.serve import listen_socket
+
+    spec = load_spec(network)
+    with _observer(spec, peers) as dht:
+        watcher = Watcher(dht, spec, _join_peers(spec, peers), refresh)
+        watcher.start()
+        sock = listen_socket(host, port)
+        server = uvicorn.Server(uvicorn.Config(create_app(watcher), log_level="warning", access_log=False, lifespan="off"))
+        console.print(f"dashboard of {spec.network} at [bold]http://{host}:{sock.getsockname()[1]}/[/] "
+                      "(Ctrl-C stops)", highlight=False)
+        try:
+            server.run(sockets=[sock])
+        finally:
+            watcher.stop.set()
+            sock.close()

@@ -38,7 +38,8 @@ def build_service(model_dir: Path, store_dir: Path, *, name: str | None = None, 
                            max_new_tokens=max_new_tokens)
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on HOST:PORT (0: any free port; read it back from the socket), or a clear NetworkError."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -75,7 +76,7 @@ def _server(service: EndpointService, sock: socket.socket, api_key: str | None) 
 def serve_forever(service: EndpointService, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                   api_key: str | None = None, on_ready: Any = None) -> None:
     """Serve until interrupted (Ctrl-C / SIGTERM); open trajectories expire into the store on the way out."""
-    sock = _listen(host, port)
+    sock = listen_socket(host, port)
     sweeper = _Sweeper(service)
     sweeper.start()
     server = _server(service, sock, api_key)
@@ -93,7 +94,7 @@ def serve_forever(service: EndpointService, host: str = DEFAULT_HOST, port: int 
 def running(service: EndpointService, host: str = DEFAULT_HOST, port: int = 0,
             api_key: str | None = None) -> Iterator[str]:
     """Serve in a background thread; yields the base URL (`http://HOST:PORT/v1`); stops and closes on exit."""
-    sock = _listen(host, port)
+    sock = listen_socket(host, port)
     server = _server(service, sock, api_key)
     sweeper = _Sweeper(service)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="endpoint-http", daemon=True)

@@ -1,0 +1,91 @@
+"""What a node sees of its network, as JSON-able dicts: the data behind `net peers | status | skills |
+deltas | checkpoints --json` and the dashboard (`net dashboard`), gathered once from a DHT peer."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+import msgspec
+
+from skillswarm.protocol.identity import fingerprint
+from skillswarm.protocol.records import NetworkSpec
+
+
+def peers_view(dht: Any, spec: NetworkSpec) -> dict[str, Any]:
+    """Every node online: its signed peer record, and how long ago it was seen."""
+    now = time.time()
+    return {"network": spec.network, "peers": [
+        {**msgspec.to_builtins(p), "signature": p.signature.hex(), "last_seen_s": round(now - p.created, 1)}
+        for p in dht.get_peers()]}
+
+
+def status_view(dht: Any, spec: NetworkSpec, joined: list[str]) -> dict[str, Any]:
+    """Peers by role, workers per skill, checkpoint versions, deltas on the latest, coordinators' states."""
+    online = dht.get_peers()
+    checkpoints = dht.get_checkpoints(trusted=spec.coordinators)
+    latest = max((c.version for c in checkpoints), default=None)
+    deltas = dht.get_deltas(latest if latest is not None else 0)
+    return {
+        "network": spec.network, "joined_via": joined, "connections": len(dht.connected_peers()),
+        "peers_online": len(online), "roles": dict(Counter(p.role for p in online)),
+        "workers_per_skill": {s: sum(1 for p in online if p.role == "worker" and s in p.skills) for s in spec.skills},
+        "latest_checkpoint": latest, "checkpoint_versions": sorted({c.version for c in checkpoints}),
+        "deltas_on_latest": len(deltas), "trusted_coordinators": len(spec.coordinators),
+        "coordinators": [{"peer_id": p.peer_id, "state": p.state, "note": p.note,
+                          "trusted": p.author in spec.coordinators} for p in online if p.role == "coordinator"],
+    }
+
+
+def skills_view(dht: Any, spec: NetworkSpec) -> dict[str, Any]:
+    """Each skill shard: workers online, each contributor's latest progress, the latest merged accuracy."""
+    online = dht.get_peers()
+    stats = {s: dht.get_skill_stats(s) for s in spec.skills}
+    latest = dht.latest_checkpoint(trusted=spec.coordinators)
+    now = time.time()
+    out = []
+    for s in spec.skills:
+        rows = sorted(stats[s], key=lambda r: -r.created)
+        metric = latest.metrics.get(s) if latest else None
+        out.append({
+            "skill": s, "workers_online": sum(1 for p in online if p.role == "worker" and s in p.skills),
+            "contributors": [{"author": fingerprint(r.author), "checkpoint_version": r.checkpoint_version,
+                              "steps": r.stats.steps, "mean_reward": r.stats.mean_reward,
+                              "accuracy_after": r.stats.accuracy_after, "updated_s": round(now - r.created, 1)} for r in rows],
+            "merged_accuracy": None if metric is None else metric.accuracy,
+            "merged_version": None if latest is None else latest.version,
+        })
+    return {"network": spec.network, "skills": out}
+
+
+def deltas_view(dht: Any, spec: NetworkSpec, version: int | None = None) -> dict[str, Any]:
+    """Deltas per base version (default: the latest and the one before) with their screening result."""
+    latest = dht.latest_checkpoint(trusted=spec.coordinators)
+    top = latest.version if latest else 0
+    versions = [version] if version is not None else sorted({max(top - 1, 0), top})
+    out = []
+    for v in versions:
+        m = dht.get_checkpoint(v + 1, trusted=spec.coordinators)
+        included = {d.blob for d in m.included} if m else set()
+        reasons = {r.blob: r.reason for r in m.rejected} if m else {}
+        for d in dht.get_deltas(v):
+            verdict = "pending" if m is None else "included" if d.blob in included else "rejected" if d.blob in reasons else "late"
+            out.append({"base_version": v, "skill": d.skill, "author": fingerprint(d.author), "blob": d.blob,
+                        "size": d.size, "codec": d.codec, "norm": d.norm, "steps": d.stats.steps,
+                        "accuracy_before": d.stats.accuracy_before, "accuracy_after": d.stats.accuracy_after,
+                        "screening": verdict, "reason": reasons.get(d.blob)})
+    return {"network": spec.network, "deltas": out}
+
+
+def checkpoints_view(dht: Any, spec: NetworkSpec) -> dict[str, Any]:
+    """Checkpoint history signed by trusted coordinators (parents, method, deltas in and out, metrics)."""
+    return {"network": spec.network, "checkpoints": [
+        {**msgspec.to_builtins(c), "signature": c.signature.hex()} for c in dht.get_checkpoints(trusted=spec.coordinators)]}
+
+
+def snapshot(dht: Any, spec: NetworkSpec, joined: list[str]) -> dict[str, Any]:
+    """Everything the dashboard shows, gathered in one pass."""
+    return {"network": spec.network, "time": time.time(), "status": status_view(dht, spec, joined),
+            "peers": peers_view(dht, spec)["peers"], "skills": skills_view(dht, spec)["skills"],
+            "deltas": deltas_view(dht, spec)["deltas"], "checkpoints": checkpoints_view(dht, spec)["checkpoints"]}
