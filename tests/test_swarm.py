@@ -83,10 +83,9 @@ def _browser() -> object | None:
 def _dashboard_shows_the_round(join: list[str], home: Path, log: Path) -> None:
     """`net dashboard` against the live network, loaded in a real browser: peers by role, both shards with
     their contributors, round v1 with its included deltas, and a chart line per skill."""
-    from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    proc = _start(["net", "dashboard", *join, "--port", "0", "--refresh", "0.5"], home, log)
+    proc = _start(["net", "dashboard", *join, "--port", "0", "--refresh", "1"], home, log)
     browser = None
     try:
         deadline = time.monotonic() + 60
@@ -99,17 +98,25 @@ def _dashboard_shows_the_round(join: list[str], home: Path, log: Path) -> None:
         if browser is None:  # the rest of the end-to-end test still runs; test_dashboard_has_a_browser says why
             return
         browser.get(url)  # type: ignore[attr-defined]
-        wait = WebDriverWait(browser, 30)
-        wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#rounds tr[data-version='1']"))
-        assert browser.find_element(By.ID, "network").text == "e2e"  # type: ignore[attr-defined]
-        roles = {r.get_attribute("data-role") for r in browser.find_elements(By.CSS_SELECTOR, "#peers tbody tr")}  # type: ignore[attr-defined]
-        assert {"coordinator", "bootstrap"} <= roles, roles
-        shards = {r.get_attribute("data-skill"): r.text for r in browser.find_elements(By.CSS_SELECTOR, "#skills tbody tr")}  # type: ignore[attr-defined]
-        assert set(shards) == {"reverse", "sort"} and all("(v1)" in text for text in shards.values()), shards
-        round_one = browser.find_element(By.CSS_SELECTOR, "#rounds tr[data-version='1']").text  # type: ignore[attr-defined]
-        assert "reverse" in round_one and "sort" in round_one, round_one
-        lines = {e.get_attribute("data-skill") for e in browser.find_elements(By.CSS_SELECTOR, "#chart polyline")}  # type: ignore[attr-defined]
-        assert lines == {"reverse", "sort"}, lines
+        # read the rendered page in one script call: it re-renders on every refresh, so elements held across
+        # calls would go stale
+        read = """return {network: document.getElementById('network').textContent,
+            roles: [...document.querySelectorAll('#peers tbody tr')].map(r => r.dataset.role),
+            shards: Object.fromEntries([...document.querySelectorAll('#skills tbody tr')].map(r => [r.dataset.skill, r.innerText])),
+            round: (document.querySelector("#rounds tr[data-version='1']") || {}).innerText || '',
+            lines: [...document.querySelectorAll('#chart polyline')].map(e => e.dataset.skill)};"""
+        seen: dict = {}
+
+        def shown(b: object) -> bool:
+            seen.update(b.execute_script(read))  # type: ignore[attr-defined]
+            return bool(seen["round"])
+
+        WebDriverWait(browser, 30).until(shown)
+        assert seen["network"] == "e2e", seen
+        assert {"coordinator", "bootstrap"} <= set(seen["roles"]), seen
+        assert set(seen["shards"]) == {"reverse", "sort"} and all("(v1)" in t for t in seen["shards"].values()), seen
+        assert "reverse" in seen["round"] and "sort" in seen["round"], seen
+        assert set(seen["lines"]) == {"reverse", "sort"}, seen
     finally:
         if browser is not None:
             browser.quit()  # type: ignore[attr-defined]
