@@ -248,3 +248,16 @@ def test_train_serve_trains_behind_the_api(nano_model: Path, tmp_path: Path) -> 
     fresh = [s for s in steps if s["fresh_samples"] > 0]
     assert any(s["version"] >= 2 for s in fresh), [(s["version"], s["staleness"]) for s in steps]
     assert all(s["logp_diff_fresh_max"] < 1e-3 for s in fresh), [(s["step"], s["logp_diff_fresh_max"]) for s in steps]
+
+
+def test_sampling_settings_are_checked_with_their_names() -> None:
+    from skillswarm.node.endpoint.messages import RequestError
+    from skillswarm.node.endpoint.service import Sampling
+
+    assert Sampling.parse({"max_tokens": 7}, 64).max_new_tokens == 7
+    assert Sampling.parse({"max_completion_tokens": 5, "max_tokens": 7}, 64).max_new_tokens == 5
+    assert Sampling.parse({}, 64).max_new_tokens == 64
+    for body, name in (({"max_tokens": 0}, "max_tokens"), ({"max_completion_tokens": "x"}, "max_completion_tokens"),
+                       ({"temperature": 3}, "temperature"), ({"n": 0}, "n"), ({"top_p": 0.9}, "top_p")):
+        with pytest.raises(RequestError, match=name):
+            Sampling.parse(body, 64)

@@ -124,8 +124,8 @@ class Sampling:
         seed = body.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise RequestError("seed must be an integer")
-        limit = body.get("max_completion_tokens", body.get("max_tokens"))
-        limit = max_new_default if limit is None else int(_number({"m": limit}, "m", 0, 1, 1 << 20))
+        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        limit = int(_number(body, key, max_new_default, 1, 1 << 20))
         wanted = body.get("logprobs")  # chat: a bool; completions: how many (only the chosen token's are returned)
         logprobs = wanted is True or (isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 0)
         return cls(temperature=_number(body, "temperature", 1.0, 0.0, 2.0), n=int(_number(body, "n", 1, 1, MAX_N)),
