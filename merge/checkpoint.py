@@ -90,6 +90,27 @@ def aux_files(model_dir: Path) -> list[Path]:
     return out
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model",
+                   "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json")
+
+
+def is_tokenizer_file(name: str) -> bool:
+    """Whether a model directory's file belongs to its tokenizer (or chat template)."""
+    return name in TOKENIZER_FILES or name.startswith("tokenizer")
+
+
+def write_config_dtype(path: Path, dtype: torch.dtype) -> None:
+    """Record `dtype` in a config.json as both transformers 5 (`dtype`) and 4 (`torch_dtype`) read it, so
+    from_pretrained(..., dtype="auto") loads the weights in the dtype they are stored in."""
+    config = json.loads(path.read_text())
+    if not isinstance(config, dict):
+        raise MergeError(f"{path} is not a JSON object")
+    name = str(dtype).removeprefix("torch.")
+    config["dtype"] = config["torch_dtype"] = name
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def plan_shards(layout: Layout, max_shard_bytes: int) -> list[tuple[str, list]]:
     """Greedy size-bounded shards in layout order, named as save_pretrained names them."""
     groups: list[list] = [[]]
@@ -168,9 +189,11 @@ class CheckpointWriter:
         self._writer.write(name, chunk)
         self._hasher.update(chunk)
 
-    def commit(self, aux_from: Path | str | None = None) -> tuple[str, list[FileEntry]]:
-        """Finish the shards, write the index, copy config/tokenizer files from `aux_from`, move the
-        directory into place; return (weights hash, files sorted by path)."""
+    def commit(self, aux_from: Path | str | None = None, *, tokenizer_from: Path | str | None = None,
+               dtype: torch.dtype | None = None) -> tuple[str, list[FileEntry]]:
+        """Finish the shards, write the index, copy config/tokenizer files from `aux_from` (the tokenizer's
+        from `tokenizer_from` when given), record `dtype` in config.json, move the directory into place;
+        return (weights hash, files sorted by path)."""
         self._switch_to(len(self.shards) - 1)
         self._close_shard()
         entries = {name: FileEntry(path=name, sha256=sha, size=size) for name, (sha, size) in self._done.items()}
@@ -180,9 +203,15 @@ class CheckpointWriter:
                      "weight_map": {n: self.shards[i][0] for n, i in self._shard_of.items()}}
             (self.tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
             extra.append(self.tmp / INDEX_NAME)
-        for src in aux_files(Path(aux_from)) if aux_from else []:
+        sources = aux_files(Path(aux_from)) if aux_from else []
+        if tokenizer_from is not None:
+            sources = [p for p in sources if not is_tokenizer_file(p.name)]
+            sources += [p for p in aux_files(Path(tokenizer_from)) if is_tokenizer_file(p.name)]
+        for src in sources:
             shutil.copyfile(src, self.tmp / src.name)
             extra.append(self.tmp / src.name)
+        if dtype is not None and (self.tmp / "config.json").is_file():
+            write_config_dtype(self.tmp / "config.json", dtype)
         for p in extra:
             with open(p, "rb+") as f:
                 os.fsync(f.fileno())

@@ -21,6 +21,8 @@ aggregators, and a check that the process does not flush subnormals to zero.
 from __future__ import annotations
 
 import math
+import struct
+from decimal import Decimal, localcontext
 
 import torch
 
@@ -148,6 +150,57 @@ def l2_norm(*xs: torch.Tensor) -> float:
     return s.norm()
 
 
+_PI = Decimal("3.14159265358979323846264338327950288419716939937510582097494459230781640629")
+_PREC = 50  # decimal digits: far more than a float64 needs, and pure-Python arithmetic, the same everywhere
+
+
+def _series(x: Decimal, first: Decimal, step: "object") -> Decimal:
+    total, term, k = first, first, 1
+    while True:
+        term = step(term, k)  # type: ignore[operator]
+        if term == 0 or abs(term) < abs(total) * Decimal(10) ** (-_PREC - 2):
+            return total
+        total += term
+        k += 1
+
+
+def exact_sin(x: float) -> float:
+    """sin(x), correctly rounded in practice and the same on every machine (libm's sin is not promised to
+    be): a 50-digit decimal Taylor series after reduction into [-pi, pi]."""
+    with localcontext() as ctx:
+        ctx.prec = _PREC
+        d = Decimal(x) % (2 * _PI)
+        d = d - 2 * _PI if d > _PI else d + 2 * _PI if d < -_PI else d
+        sq = d * d
+        return float(_series(d, d, lambda t, k: -t * sq / ((2 * k) * (2 * k + 1))))
+
+
+def _atan(d: Decimal) -> Decimal:
+    halvings = 0
+    while abs(d) > Decimal("0.05"):
+        d = d / (1 + (1 + d * d).sqrt())  # atan(x) = 2 atan(x / (1 + sqrt(1 + x^2)))
+        halvings += 1
+    sq = d * d
+    return _series(d, d, lambda t, k: -t * sq * (2 * k - 1) / (2 * k + 1)) * (2 ** halvings)
+
+
+def exact_acos(c: float) -> float:
+    """acos(c) for c in [-1, 1], machine-independent like `exact_sin`."""
+    if not -1.0 <= c <= 1.0:
+        raise ValueError(f"acos of {c} outside [-1, 1]")
+    with localcontext() as ctx:
+        ctx.prec = _PREC
+        d = Decimal(c)
+        if abs(d) == 1:
+            return 0.0 if d > 0 else float(_PI)
+        return float(_PI / 2 - _atan(d / (1 - d * d).sqrt()))
+
+
+def to_float32(x: float) -> float:
+    """x rounded to the nearest float32 (IEEE conversion), as a Python float."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
 def to_bfloat16(x: torch.Tensor) -> torch.Tensor:
     """float32 -> bfloat16, rounding to nearest even on the bit pattern (NaN -> one quiet NaN). Integer
     ops only, so subnormals round like every other value whatever the CPU's bf16 instructions do."""
@@ -188,5 +241,5 @@ def check_float_environment() -> None:
                          "process without it (e.g. `skillswarm merge` from a shell)")
 
 
-__all__ = ["ProductSum", "SquareSum", "canonical_zeros", "cast", "check_float_environment", "dot", "l2_norm",
-           "lora_product", "to_bfloat16"]
+__all__ = ["ProductSum", "SquareSum", "canonical_zeros", "cast", "check_float_environment", "dot", "exact_acos",
+           "exact_sin", "l2_norm", "lora_product", "to_bfloat16", "to_float32"]

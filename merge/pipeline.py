@@ -114,8 +114,11 @@ class _MergedDelta:
 def run_pipeline(engine: Engine, out_dir: Path | str, *, delta_out: Path | str | None = None,
                  delta_codec: str = "dense_fp32", delta_base_hash: str | None = None,
                  max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, workers: int | None = None,
-                 chunk_elems: int = CHUNK_ELEMS, progress: bool = True, label: str = "merging") -> MergeResult:
-    """Write `out_dir` (a checkpoint) and optionally `delta_out` (the merged delta) from `engine`."""
+                 chunk_elems: int = CHUNK_ELEMS, progress: bool = True, label: str = "merging",
+                 config_dtype: torch.dtype | None = None, tokenizer_from: Path | str | None = None) -> MergeResult:
+    """Write `out_dir` (a checkpoint) and optionally `delta_out` (the merged delta) from `engine`.
+    `config_dtype`: record this dtype in the output's config.json (what transformers loads it as);
+    `tokenizer_from`: take the tokenizer files from this model directory instead of the base's."""
     t0 = time.perf_counter()
     check_float_environment()
     base = engine.base
@@ -135,7 +138,7 @@ def run_pipeline(engine: Engine, out_dir: Path | str, *, delta_out: Path | str |
                               delta_base_hash)
         _stream(engine, names, cw, md, workers, chunk_elems, progress, label)
         info = md.info(Path(delta_out)) if md else None  # type: ignore[arg-type]
-        weights_hash, files = cw.commit(aux_from=base.dir)
+        weights_hash, files = cw.commit(aux_from=base.dir, tokenizer_from=tokenizer_from, dtype=config_dtype)
     return MergeResult(out_dir=Path(out_dir), weights_hash=weights_hash, files=files, num_tensors=len(names),
                        seconds=time.perf_counter() - t0, delta=info)
 
@@ -212,7 +215,7 @@ def apply_delta(base_dir: Path | str, delta_path: Path | str, out_dir: Path | st
             raise MergeError(f"{delta_path} was made against base {delta.base_hash[:12]}, not {expected_base_hash[:12]}")
         engine = _ApplyEngine(base, delta, out_dtype)
         return run_pipeline(engine, out_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite, workers=workers,
-                            progress=progress, label="applying delta")
+                            progress=progress, label="applying delta", config_dtype=out_dtype)
     finally:
         base.close()
         delta.close()

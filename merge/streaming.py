@@ -14,10 +14,11 @@ byte-identical files and the same weights hash on any CPU, with any chunk size o
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -27,13 +28,14 @@ from skillswarm.merge.codecs import DENSE_DTYPES
 from skillswarm.merge.deltas import DeltaFile
 from skillswarm.merge.exact import SquareSum, cast
 from skillswarm.merge.methods import Method, get_method
-from skillswarm.merge.methods.base import densities_for, input_limits, merge_chunk
-from skillswarm.merge.methods.sparsify import rng_key, trim_ranks
+from skillswarm.merge.methods.base import check_params, densities_for, input_limits, merge_chunk, needs_limits
+from skillswarm.merge.methods.model_stock import model_stock_rows, model_stock_stats, model_stock_t
+from skillswarm.merge.methods.slerp import slerp_coefficients, slerp_rows, slerp_stats
+from skillswarm.merge.methods.sparsify import rng_key
 from skillswarm.merge.pipeline import CHUNK_ELEMS, MergeResult, apply_rows, check_delta_fits, is_float, run_pipeline
 from skillswarm.merge.tensorfile import numel
 from skillswarm.protocol.errors import MergeError
 from skillswarm.protocol.records import AGGREGATORS, MergePolicy
-
 
 FULL_TENSOR_ELEMS = 1 << 26  # up to this size (256 MiB of float32) thresholds come from the whole tensor at
 # once (fast exact selection); beyond it, from two histogram passes over its chunks (flat memory)
@@ -105,20 +107,72 @@ class _Group:
 @dataclass
 class _Prep:
     norms: list[list[float]] | None  # per group, per source: whole-tensor norms (clipped_mean)
-    limits: list[tuple[float, ...]]  # per group: trim thresholds
+    limits: list[Any]  # per group: trim thresholds / DELLA limits; slerp / model_stock: their coefficients
+
+
+@dataclass(frozen=True)
+class TensorParams:
+    """One tensor's parameters when they vary by tensor (a recipe's gradients and filters): the method's
+    shared ones (lambda, normalize, t, ...) and, per input in order, weight / density / gamma / epsilon."""
+
+    shared: Mapping[str, Any]
+    inputs: Sequence[Mapping[str, Any]]
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    params: Any  # the method's parameter struct (lambda, normalize, ...)
+    weights: list[float]
+    densities: list[float]
+    inputs: list[Any]  # per input: the struct with its own density / gamma / epsilon
+
+
+PER_INPUT = ("density", "gamma", "epsilon")
 
 
 class _MergeEngine:
-    """Per row chunk: aggregate each group, sparsify and combine across groups, add to the base."""
+    """Per row chunk: aggregate each group, sparsify and combine across groups, add to the base (or, for
+    slerp and model_stock, interpolate between the base and the models with per-tensor coefficients)."""
 
     def __init__(self, base: Checkpoint, groups: list[_Group], spec: MergeSpec, seed: int,
-                 delta_codec: str, out_dtype: torch.dtype | None, chunk_elems: int) -> None:
+                 delta_codec: str, out_dtype: torch.dtype | None, chunk_elems: int,
+                 tensor_params: Callable[[str], TensorParams] | None = None) -> None:
         self.base, self.groups, self.seed, self.chunk_elems = base, groups, seed, chunk_elems
         self.method, self.params = spec.resolve()
         self.aggregator, self.trim = spec.aggregator, spec.trim_fraction
         self._delta = DENSE_DTYPES[delta_codec]
         self._out = out_dtype
-        self.densities = densities_for(self.params, len(groups), [g.density for g in groups])
+        self._tensor_params = tensor_params
+        self._cache: dict[str, _Resolved] = {}
+        if self.method.kind != "gta" and any(len(g.sources) != 1 for g in groups):
+            raise MergeError(f"{self.method.name} merges models, not groups of deltas: give one input per group")
+        if self.method.kind == "slerp" and len(groups) != 1:
+            raise MergeError(f"slerp interpolates between the base and exactly one other model, got {len(groups)}")
+        if self.method.kind == "model_stock" and len(groups) < 2:
+            raise MergeError(f"model_stock needs at least two models besides the base, got {len(groups)}")
+        densities = densities_for(self.params, len(groups), [g.density for g in groups])
+        self._static = _Resolved(self.params, [g.weight for g in groups], densities,
+                                 [check_params(self._input_struct(self.params, {"density": d}), self.method.name)
+                                  for d in densities])
+
+    def _input_struct(self, p: Any, own: Mapping[str, Any]) -> Any:
+        fields = p.__dataclass_fields__
+        return dataclasses.replace(p, **{k: v for k, v in own.items() if k in fields}) if own else p
+
+    def resolved(self, name: str) -> _Resolved:
+        """The parameters of tensor `name` (the same for every tensor unless the merge has tensor_params)."""
+        if self._tensor_params is None:
+            return self._static
+        r = self._cache.get(name)
+        if r is None:
+            tp = self._tensor_params(name)
+            p = self.method.make_params(tp.shared)
+            own = [{k: v for k, v in tp.inputs[i].items() if k in PER_INPUT} for i in range(len(self.groups))]
+            ps = [check_params(self._input_struct(p, o), self.method.name) for o in own]
+            weights = [float(tp.inputs[i].get("weight", g.weight)) for i, g in enumerate(self.groups)]
+            r = _Resolved(p, weights, [float(getattr(q, "density", 1.0)) for q in ps], ps)
+            self._cache[name] = r
+        return r
 
     def out_dtype(self, name: str) -> torch.dtype:
         dtype = self.base.entry(name).dtype
@@ -141,29 +195,66 @@ class _MergeEngine:
                 total.add(x)
         return total.norm()
 
+    def _model_rows(self, g: _Group, name: str, r0: int, r1: int, base_rows: torch.Tensor) -> torch.Tensor:
+        """The rows of a group's model itself (a delta file's: base + delta), in float32."""
+        src = g.sources[0]
+        if isinstance(src, _ModelDelta):
+            return src.tuned.read_rows(name, r0, r1).to(torch.float32)
+        x = src.rows(name, r0, r1)
+        return base_rows.to(torch.float32) if x is None else base_rows.to(torch.float32) + x
+
+    def _interp_stats(self, name: str, r0: int, r1: int, base_rows: torch.Tensor, into: Any) -> Any:
+        if self.method.kind == "slerp":
+            return slerp_stats(base_rows, self._model_rows(self.groups[0], name, r0, r1, base_rows), into)
+        b = base_rows.to(torch.float32)  # offsets as mergekit takes them: model - base
+        return model_stock_stats([self._model_rows(g, name, r0, r1, base_rows) - b for g in self.groups], into)
+
+    def _interp_coefs(self, name: str, sums: Any) -> Any:
+        p = self.resolved(name).params
+        if self.method.kind == "slerp":
+            return slerp_coefficients(p.t, sums)
+        if p.filter_wise:
+            raise MergeError("model_stock: filter_wise: true (per-row angles) is not supported; leave it false")
+        return model_stock_t(len(self.groups), sums)
+
+    def _interp_rows(self, name: str, r0: int, r1: int, base_rows: torch.Tensor, coefs: Any) -> torch.Tensor:
+        models = [self._model_rows(g, name, r0, r1, base_rows) for g in self.groups]
+        if self.method.kind == "slerp":
+            return slerp_rows(base_rows, models[0], coefs)
+        return model_stock_rows(base_rows, models, coefs)
+
     def prepare(self, name: str, chunks: Sequence[tuple[int, int]], pool: ThreadPoolExecutor) -> _Prep | None:
         if not is_float(self.base.entry(name).dtype):
             return None
+        if self.method.kind != "gta":
+            sums = None
+            for r0, r1 in chunks:
+                sums = self._interp_stats(name, r0, r1, self.base.read_rows(name, r0, r1), sums)
+            return _Prep(None, [self._interp_coefs(name, sums)])
         norms = None
         if self.aggregator == "clipped_mean":
             pairs = [(gi, s) for gi, g in enumerate(self.groups) for s in g.sources]
             flat = list(pool.map(lambda p: self._source_norm(p[1], name, chunks), pairs))
             norms = [[v for (gi, _), v in zip(pairs, flat) if gi == i] for i in range(len(self.groups))]
-        n = numel(self.base.entry(name).shape)
+        shape = self.base.entry(name).shape
+        n = numel(shape)
+        res = self.resolved(name)
 
-        def limits(i: int) -> tuple[float, ...]:
+        def limits(i: int) -> Any:
             g = self.groups[i]
             gn = norms[i] if norms else None
             chunk_iter = lambda: (self._task_vector(g, name, r0, r1, gn) for r0, r1 in chunks)  # noqa: E731
-            if not trim_ranks(self.method.sparsifier, n, self.densities[i], float(getattr(self.params, "gamma", 0.0))):
+            if not needs_limits(self.method, res.inputs[i], n, res.densities[i]):
                 return ()
+            key = rng_key(self.seed, name, g.key)
             if n <= FULL_TENSOR_ELEMS:  # one whole tensor at a time: exact selection is fastest on it
                 whole, at = torch.empty(n, dtype=torch.float32), 0
                 for t in chunk_iter():
                     whole[at:at + t.numel()] = t.reshape(-1)
                     at += t.numel()
-                return input_limits(self.method, self.params, whole, n, self.densities[i], scratch=True)
-            return input_limits(self.method, self.params, chunk_iter, n, self.densities[i])
+                return input_limits(self.method, res.inputs[i], whole, n, res.densities[i], scratch=True, key=key,
+                                    shape=shape)
+            return input_limits(self.method, res.inputs[i], chunk_iter, n, res.densities[i], key=key, shape=shape)
 
         return _Prep(norms, list(pool.map(limits, range(len(self.groups)))))
 
@@ -172,17 +263,24 @@ class _MergeEngine:
         base_rows = self.base.read_rows(name, r0, r1)
         if not is_float(entry.dtype):
             return base_rows, None
+        if self.method.kind != "gta":
+            coefs = prep.limits[0] if prep else self._interp_coefs(name, self._interp_stats(name, r0, r1, base_rows, None))
+            merged = self._interp_rows(name, r0, r1, base_rows, coefs)
+            merged -= base_rows.to(torch.float32)
+            d = cast(merged, self._delta)
+            return apply_rows(base_rows, d, self.out_dtype(name)), d
         n = numel(entry.shape)
+        res = self.resolved(name)
         ts = [self._task_vector(g, name, r0, r1, prep.norms[i] if prep and prep.norms else None)
               for i, g in enumerate(self.groups)]
+        keys = [rng_key(self.seed, name, g.key) for g in self.groups]
         if prep is None:  # the whole tensor is this one chunk
-            limits = [input_limits(self.method, self.params, t, n, d) for t, d in zip(ts, self.densities)]
+            limits = [input_limits(self.method, q, t, n, d, key=k, shape=entry.shape)
+                      for t, d, q, k in zip(ts, res.densities, res.inputs, keys)]
         else:
             limits = prep.limits
-        keys = [rng_key(self.seed, name, g.key) for g in self.groups]
         offset = r0 * (numel(entry.shape[1:]) if entry.shape else 1)
-        merged = merge_chunk(self.method, self.params, ts, [g.weight for g in self.groups], self.densities,
-                             limits, keys, offset, owned=True)
+        merged = merge_chunk(self.method, res.params, ts, res.weights, res.densities, limits, keys, offset, owned=True)
         d = cast(merged, self._delta)
         return apply_rows(base_rows, d, self.out_dtype(name)), d
 
@@ -214,7 +312,9 @@ def _open_source(base: Checkpoint, path: Path | str) -> Any:
 def _run(base_dir: Path | str, plan: list[tuple[str, list[tuple[Path | str, float]], float, float | None]],
          spec: MergeSpec, out_dir: Path | str, *, seed: int, delta_out: Path | str | None, delta_codec: str,
          base_hash: str | None, out_dtype: torch.dtype | None, max_shard_bytes: int, overwrite: bool,
-         workers: int | None, chunk_elems: int, progress: bool) -> MergeResult:
+         workers: int | None, chunk_elems: int, progress: bool,
+         tensor_params: Callable[[str], TensorParams] | None = None, tokenizer_from: Path | str | None = None
+         ) -> MergeResult:
     if delta_codec not in DENSE_DTYPES:
         raise MergeError(f"the merged delta is stored dense; delta_codec must be one of {', '.join(DENSE_DTYPES)}")
     if not plan or any(not members for _, members, _, _ in plan):
@@ -230,10 +330,11 @@ def _run(base_dir: Path | str, plan: list[tuple[str, list[tuple[Path | str, floa
                 sources.append(_open_source(base, path))
                 opened.append(sources[-1])
             groups.append(_Group(key, sources, [float(w) for _, w in members], float(weight), density))
-        engine = _MergeEngine(base, groups, spec, seed, delta_codec, out_dtype, chunk_elems)
+        engine = _MergeEngine(base, groups, spec, seed, delta_codec, out_dtype, chunk_elems, tensor_params)
         return run_pipeline(engine, out_dir, delta_out=delta_out, delta_codec=delta_codec, delta_base_hash=base_hash,
                             max_shard_bytes=max_shard_bytes, overwrite=overwrite, workers=workers,
-                            chunk_elems=chunk_elems, progress=progress)
+                            chunk_elems=chunk_elems, progress=progress, config_dtype=out_dtype,
+                            tokenizer_from=tokenizer_from)
     finally:
         for s in opened:
             s.close()
@@ -270,7 +371,9 @@ def _plain(inputs: Sequence[MergeInput | Path | str]) -> list[tuple[str, list[tu
 
 def merge_deltas(base_dir: Path | str, deltas: Sequence[MergeInput | Path | str], spec: MergeSpec,
                  out_dir: Path | str, **options: Any) -> MergeResult:
-    """Merge N delta files onto a base, one task vector each (options as for `merge_checkpoint`)."""
+    """Merge N delta files (or model directories) onto a base, one task vector each (options as for
+    `merge_checkpoint`, plus `tensor_params`: name -> TensorParams for per-tensor parameters, and
+    `tokenizer_from`: a model directory whose tokenizer files replace the base's in the output)."""
     return _run(base_dir, _plain(deltas), spec, out_dir, **_defaults(options))
 
 
@@ -287,7 +390,7 @@ def merge_models(base_dir: Path | str, models: Sequence[MergeInput | Path | str]
 def _defaults(options: Mapping[str, Any]) -> dict[str, Any]:
     allowed = {"seed": 0, "delta_out": None, "delta_codec": "dense_fp32", "base_hash": None, "out_dtype": None,
                "max_shard_bytes": DEFAULT_SHARD_BYTES, "overwrite": False, "workers": None,
-               "chunk_elems": CHUNK_ELEMS, "progress": True}
+               "chunk_elems": CHUNK_ELEMS, "progress": True, "tensor_params": None, "tokenizer_from": None}
     unknown = set(options) - set(allowed)
     if unknown:
         raise TypeError(f"unknown merge options: {sorted(unknown)}")

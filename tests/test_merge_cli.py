@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
 from typer.testing import CliRunner
 
 from skillswarm.merge.methods import merge
@@ -99,13 +98,15 @@ seed: 5
     a = json.loads(cli("merge", "run", "--recipe", str(recipe), "--out", str(tmp_path / "a"), "--json"))
     from skillswarm.merge.streaming import MergeInput, MergeSpec, merge_models
 
+    # a recipe's dare_ties is mergekit's: random drop, then the L1 rescale (DELLA's sparsifier at epsilon 0)
     lib = merge_models(models["base"], [MergeInput(models["ft1"], 1.0, 0.6), MergeInput(models["ft2"], 0.5)],
-                       MergeSpec("dare_ties", {"density": 0.4, "scale": 0.9}), tmp_path / "b", seed=5,
-                       out_dtype=torch.bfloat16, progress=False)
+                       MergeSpec("della", {"density": 0.4, "scale": 0.9, "epsilon": 0.0, "normalize": False}),
+                       tmp_path / "b", seed=5, out_dtype=torch.bfloat16, progress=False)
     assert a["weights_hash"] == lib.weights_hash and a["inputs"] == [str(models["ft1"]), str(models["ft2"])]
-    bad = run_cli("merge", "run", "--base", str(models["base"]), "--model", str(models["ft1"]), "--method", "slerp",
+    assert a["method"] == "dare_ties"
+    bad = run_cli("merge", "run", "--base", str(models["base"]), "--model", str(models["ft1"]), "--method", "karcher",
                   "--out", str(tmp_path / "c"), check=False)
-    assert bad.returncode == 1 and "unknown merge method 'slerp'" in bad.stderr and not (tmp_path / "c").exists()
+    assert bad.returncode == 1 and "unknown merge method 'karcher'" in bad.stderr and not (tmp_path / "c").exists()
     recipe.write_text("merge_method: ties\nbase_model: x\nmodels: []\nslices: []\n")
     with pytest.raises(MergeError, match="slices"):
         cli("merge", "run", "--recipe", str(recipe), "--out", str(tmp_path / "c"))

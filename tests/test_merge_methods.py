@@ -99,7 +99,7 @@ def test_bad_parameters_are_refused() -> None:
     with pytest.raises(MergeError, match="density must be in"):
         merge("ties", [T([1.0])], density=1.5)
     with pytest.raises(MergeError, match="unknown merge method"):
-        get_method("slerp")
+        get_method("karcher")
     with pytest.raises(MergeError, match="different shapes"):
         merge("linear", [T([1.0]), T([1.0, 2.0])])
 

@@ -1,8 +1,8 @@
 """What every merge method shares: its registry entry, the combine step, and the whole-tensor merge.
 
-A method is data, not a class hierarchy: a sparsifier (none, magnitude, band, random), whether signs
-are elected (TIES consensus), and a parameter struct with `scale` (lambda) and `normalize`. The merged
-task vector of inputs x_i with weights w_i is
+A method is data, not a class hierarchy: a sparsifier (none, magnitude, band, random, della), whether
+signs are elected (TIES consensus), and a parameter struct with `scale` (lambda) and `normalize`. The
+merged task vector of inputs x_i with weights w_i is
 
     y_i   = sparsify(x_i)                        (per input, thresholds over the whole tensor)
     s     = sign(sum_i w_i y_i)  (+ where 0)     (only with consensus)
@@ -11,7 +11,8 @@ task vector of inputs x_i with weights w_i is
 
 which is mergekit's generalized task arithmetic, so its recipes mean the same here. Sums run input by
 input in a fixed order with separately rounded multiplies and adds, so results are bit-identical
-across thread counts and machines.
+across thread counts and machines. Methods of another `kind` (slerp, model_stock) interpolate between
+the base and the models with per-tensor coefficients instead; see their files.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from skillswarm.merge.methods.sparsify import rng_key, sparsify, thresholds, trim_ranks
+from skillswarm.merge.methods.sparsify import della_limits, rng_key, sparsify, thresholds, trim_ranks
 from skillswarm.protocol.errors import MergeError
 
 
@@ -33,10 +34,11 @@ class Method:
 
     name: str
     params: type
-    sparsifier: str  # "none" | "magnitude" | "band" | "random"
+    sparsifier: str  # "none" | "magnitude" | "band" | "random" | "della"
     consensus: bool
     summary: str
     paper: str = ""
+    kind: str = "gta"  # "gta" (generalized task arithmetic, above) | "slerp" | "model_stock"
 
     def make_params(self, values: Mapping[str, Any] | None = None) -> Any:
         """The parameter struct from a mapping (recipe, CLI, policy); `lambda` is an alias of `scale`."""
@@ -55,12 +57,19 @@ def check_params(p: Any, method: str) -> Any:
     density = getattr(p, "density", 1.0)
     if not (isinstance(density, (int, float)) and 0.0 < density <= 1.0):
         raise MergeError(f"{method}: density must be in (0, 1], got {density!r}")
-    if not (isinstance(p.scale, (int, float)) and math.isfinite(p.scale)):
-        raise MergeError(f"{method}: lambda (scale) must be a finite number, got {p.scale!r}")
+    scale = getattr(p, "scale", 1.0)
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        raise MergeError(f"{method}: lambda (scale) must be a finite number, got {scale!r}")
     gamma = getattr(p, "gamma", 0.0)
     if not (isinstance(gamma, (int, float)) and 0.0 <= gamma < 1.0):
         raise MergeError(f"{method}: gamma must be in [0, 1), got {gamma!r}")
-    if not isinstance(p.normalize, bool):
+    epsilon = getattr(p, "epsilon", None)
+    eps_ok = isinstance(epsilon, (int, float)) and epsilon >= 0.0 and (
+        density >= 1.0 or (density - epsilon > 0.0 and density + epsilon < 1.0))
+    if epsilon is not None and not eps_ok:
+        raise MergeError(f"{method}: epsilon must keep density +- epsilon inside (0, 1), got density {density!r} "
+                         f"and epsilon {epsilon!r}")
+    if not isinstance(getattr(p, "normalize", False), bool):
         raise MergeError(f"{method}: normalize must be true or false, got {p.normalize!r}")
     return p
 
@@ -117,9 +126,22 @@ def merge_chunk(method: Method, p: Any, xs: list[torch.Tensor], weights: Sequenc
     return merged * float(p.scale) if p.scale != 1.0 else merged
 
 
-def input_limits(method: Method, p: Any, x: Any, n: int, density: float, scratch: bool = False) -> tuple[float, ...]:
-    """Whole-tensor thresholds of one input (`x`: the tensor, or a function iterating its chunks;
-    `scratch`: the tensor may be overwritten)."""
+def needs_limits(method: Method, p: Any, n: int, density: float) -> bool:
+    """Whether one input's sparsifier needs whole-tensor statistics (thresholds, DELLA's rescale)."""
+    if method.sparsifier == "della":
+        return density < 1.0 and n > 0
+    return bool(trim_ranks(method.sparsifier, n, density, float(getattr(p, "gamma", 0.0))))
+
+
+def input_limits(method: Method, p: Any, x: Any, n: int, density: float, scratch: bool = False, *, key: int = 0,
+                 shape: Sequence[int] | None = None) -> Any:
+    """Whole-tensor statistics of one input (`x`: the tensor, or a function iterating its chunks;
+    `scratch`: the tensor may be overwritten): thresholds, or DELLA's limits (`key`, `shape` for it)."""
+    if method.sparsifier == "della":
+        if not needs_limits(method, p, n, density):
+            return ()
+        return della_limits(x, tuple(shape) if shape is not None else (n,), density, float(p.epsilon), key,
+                            bool(p.rescale))
     return thresholds(trim_ranks(method.sparsifier, n, density, float(getattr(p, "gamma", 0.0))), x, scratch)
 
 
@@ -137,6 +159,6 @@ def merge_tensors(method: Method, deltas: Sequence[torch.Tensor], weights: Seque
     xs = [d.detach().to(torch.float32) for d in deltas]
     w = [1.0] * len(xs) if weights is None else [float(v) for v in weights]
     ds = densities_for(p, len(xs), densities)
-    limits = [input_limits(method, p, x, x.numel(), d) for x, d in zip(xs, ds)]
     ks = [rng_key(seed, name, keys[i] if keys else str(i)) for i in range(len(xs))]
+    limits = [input_limits(method, p, x, x.numel(), d, key=k, shape=shape) for x, d, k in zip(xs, ds, ks)]
     return merge_chunk(method, p, xs, w, ds, limits, ks)

@@ -5,6 +5,9 @@
   stable), so the choice is the same on every machine and for every chunking.
 - band (breadcrumbs): drop the top `gamma` fraction by magnitude and the smallest, so `density` remains.
 - random (DARE): keep each entry with probability `density` and rescale the kept by 1/density.
+- della (DELLA, as mergekit's della_magprune): keep each entry with a probability that grows with its
+  magnitude rank in its row, from density - epsilon (smallest) to density + epsilon (largest), then
+  rescale the survivors so the tensor's L1 norm is unchanged (mergekit's `rescale`).
 
 Thresholds are exact k-th largest magnitudes over the *whole* tensor, so a caller that feeds row chunks
 (the streaming merge) computes them first (`kth_largest_magnitudes` over a chunk iterator) and gets the
@@ -16,12 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
 
-SPARSIFIERS = ("none", "magnitude", "band", "random")
+SPARSIFIERS = ("none", "magnitude", "band", "random", "della")
 
 
 def keep_count(n: int, density: float) -> int:
@@ -134,8 +138,10 @@ def sparsify(kind: str, x: torch.Tensor, *, density: float = 1.0, limits: tuple[
              key: int = 0, offset: int = 0) -> torch.Tensor:
     """Apply one sparsifier to (a chunk of) a task vector; `limits` from `thresholds`, `offset` = the
     chunk's first flat index in its tensor (for DARE)."""
-    if kind == "none" or (kind != "random" and not limits) or density >= 1.0:
+    if kind == "none" or (kind not in ("random", "della") and not limits) or density >= 1.0:
         return x
+    if kind == "della":
+        return della_sparsify(x, limits, key, offset)  # type: ignore[arg-type]
     if kind == "magnitude":
         return _keep_at_least(x, limits[0])
     if kind == "band":
@@ -152,3 +158,68 @@ def _keep_at_least(x: torch.Tensor, t: float) -> torch.Tensor:
         return x
     below = float(np.nextafter(np.float32(t), np.float32(0.0)))
     return torch.nn.functional.hardshrink(x, below)
+
+
+# ---- DELLA: magnitude-ranked keep probabilities, then an L1 rescale ----------------------------------------
+@dataclass(frozen=True)
+class DellaLimits:
+    """What a DELLA trim of one input's tensor needs beyond a chunk: keep probabilities, the length of the
+    rows ranks are taken in, the sorted magnitudes of a 1-D tensor (its one row spans every chunk) and the
+    whole-tensor L1 rescale factor."""
+
+    density: float
+    epsilon: float
+    row_len: int
+    sorted_1d: torch.Tensor | None
+    factor: float = 1.0
+
+
+def della_keep(x: torch.Tensor, lim: DellaLimits, key: int, offset: int) -> torch.Tensor:
+    """Boolean keep-mask of a chunk: entry i survives when u_i / 2^53 < p_i, where
+    p_i = (density - epsilon) + 2 * epsilon * r_i / (row_len - 1) and r_i counts the entries of its row of
+    strictly smaller magnitude (tied magnitudes share a rank: the choice is the same on every machine)."""
+    a = x.detach().to(torch.float32).abs().reshape(-1)
+    if lim.epsilon == 0.0 or lim.row_len <= 1:  # one keep probability for all (DARE as mergekit draws it)
+        return (uniform53(key, offset, a.numel()).to(torch.float64) < lim.density * float(1 << 53)).reshape(x.shape)
+    if lim.sorted_1d is not None:
+        smaller = torch.searchsorted(lim.sorted_1d, a)
+    else:
+        rows = a.reshape(-1, lim.row_len)
+        smaller = torch.searchsorted(torch.sort(rows, dim=1).values, rows).reshape(-1)
+    rank = smaller.to(torch.float64) / float(lim.row_len - 1)
+    p = rank.mul_(2.0 * lim.epsilon).add_(lim.density - lim.epsilon)
+    return (uniform53(key, offset, a.numel()).to(torch.float64) < p.mul_(float(1 << 53))).reshape(x.shape)
+
+
+def della_sparsify(x: torch.Tensor, lim: DellaLimits, key: int, offset: int) -> torch.Tensor:
+    """The DELLA-trimmed (and rescaled) chunk."""
+    y = torch.where(della_keep(x, lim, key, offset), x, 0.0)
+    return y.mul_(lim.factor) if lim.factor != 1.0 else y
+
+
+def della_limits(x: torch.Tensor | Callable[[], Iterable[torch.Tensor]], shape: Sequence[int], density: float,
+                 epsilon: float, key: int, rescale: bool) -> DellaLimits:
+    """DellaLimits of one input's tensor (`x`: the tensor, or a function iterating its row chunks in order);
+    the rescale factor is sum|x| / sum|kept x| (1 where either is below 1e-7, as in mergekit), both exact."""
+    from skillswarm.merge.exact import ProductSum
+
+    if not (0.0 < density - epsilon and density + epsilon < 1.0):
+        raise ValueError(f"della: density +- epsilon must lie in (0, 1), got density {density} and epsilon {epsilon}")
+    chunks = (lambda: [x]) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    n = math.prod(shape)
+    sorted_1d = None
+    if len(shape) <= 1 and epsilon != 0.0:
+        sorted_1d = torch.sort(torch.cat([c.detach().to(torch.float32).abs().reshape(-1) for c in chunks()])).values
+    lim = DellaLimits(density, epsilon, max(1, n // max(1, shape[0])) if len(shape) > 1 else max(1, n), sorted_1d)
+    if not rescale:
+        return lim
+    before, after, at = ProductSum(), ProductSum(), 0
+    for c in chunks():
+        c = c.detach().to(torch.float32).reshape(-1)
+        ones = torch.ones_like(c)
+        before.add(c.abs(), ones)
+        after.add(torch.where(della_keep(c, lim, key, at), c.abs(), 0.0), ones)
+        at += c.numel()
+    b, a = before.value(), after.value()
+    factor = b / a if b >= 1e-7 and a >= 1e-7 else 1.0
+    return DellaLimits(density, epsilon, lim.row_len, sorted_1d, factor)

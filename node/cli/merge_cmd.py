@@ -64,11 +64,13 @@ def run(
     delta: Annotated[Optional[list[Path]], typer.Option(help="A delta file; repeat for each.")] = None,
     model: Annotated[Optional[list[Path]], typer.Option(help="A fine-tuned model directory; repeat for each.")] = None,
     weight: Annotated[Optional[list[float]], typer.Option(help="Weight of each input, in order (default 1).")] = None,
-    method: Annotated[str, typer.Option(help=f"Merge method: {', '.join(MERGE_METHODS)}.")] = "ties",
+    method: Annotated[str, typer.Option(help=f"Merge method: {', '.join(MERGE_METHODS)}; also breadcrumbs_ties, "
+                                        "della, della_linear, slerp (t 0.5; use a recipe for t), model_stock.")] = "ties",
     density: Annotated[Optional[float], typer.Option(help="Fraction kept by ties/dare/breadcrumbs (default 0.2).")] = None,
     scale: Annotated[Optional[float], typer.Option("--lambda", help="Scale of the merged task vector (default 1).")] = None,
     gamma: Annotated[Optional[float], typer.Option(help="breadcrumbs: fraction of largest entries dropped.")] = None,
-    recipe: Annotated[Optional[Path], typer.Option(help="A mergekit-style YAML recipe (replaces the options above).")] = None,
+    recipe: Annotated[Optional[Path], typer.Option(help="A mergekit YAML recipe (replaces the options above): "
+                                                   "models or hub ids, gradients, filters, dtype, tokenizer_source.")] = None,
     seed: Annotated[Optional[int], typer.Option(help="Seed of DARE's masks.")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="Output dtype: float32, bfloat16, float16 (default: the base's).")] = None,
     delta_out: Annotated[Optional[Path], typer.Option(help="Also write the merged delta (base -> output) here.")] = None,
@@ -80,12 +82,15 @@ def run(
     """Merge fine-tuned models (--model) or deltas (--delta) onto a base, or follow a --recipe."""
     from skillswarm.merge.recipe import load_recipe, plan_recipe
     from skillswarm.merge.streaming import MergeInput, MergeSpec, merge_deltas
+    from skillswarm.node.hub import resolve_model
 
+    options: dict[str, Any] = {}
     if recipe is not None:
         if base or delta or model or weight or density is not None or scale is not None or gamma is not None:
             fail("--recipe replaces --base/--delta/--model/--weight/--density/--lambda/--gamma; give one or the other")
-        plan = plan_recipe(load_recipe(recipe))
+        plan = plan_recipe(load_recipe(recipe), resolve_model)
         base_dir, inputs, spec, out_dtype = plan.base, plan.inputs, plan.spec, plan.out_dtype
+        options = {"tensor_params": plan.tensor_params, "tokenizer_from": plan.tokenizer_from}
         seed = plan.seed if seed is None else seed
         if dtype is not None:
             out_dtype = _dtype(dtype)
@@ -100,8 +105,10 @@ def run(
                                   if v is not None}
         base_dir, spec, out_dtype = base, MergeSpec(method, params), _dtype(dtype)
     result = merge_deltas(base_dir, inputs, spec, out, seed=seed or 0, out_dtype=out_dtype, delta_out=delta_out,
-                          max_shard_bytes=parse_size(shard_size), overwrite=force, progress=not no_progress and not json)
-    _report(result, json, {"method": spec.method, "params": dict(spec.params), "inputs": [str(i.path) for i in inputs]})
+                          max_shard_bytes=parse_size(shard_size), overwrite=force, progress=not no_progress and not json,
+                          **options)
+    method_name, params = (plan.method, plan.params) if recipe is not None else (spec.method, dict(spec.params))
+    _report(result, json, {"method": method_name, "params": params, "inputs": [str(i.path) for i in inputs]})
 
 
 @app.command("delta")
@@ -131,7 +138,7 @@ def make_delta(
     params = {k: v for k, v in (("density", density), ("value_bits", value_bits), ("rank", rank)) if v is not None}
     targets = None
     if codec == "lora":
-        from skillswarm.node.adapter import model_targets
+        from skillswarm.node.rl.adapter import model_targets
         from skillswarm.protocol.errors import ModelError
 
         try:

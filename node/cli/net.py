@@ -11,10 +11,20 @@ import typer
 from skillswarm.node.cli.common import JsonOpt, KeyOpt, console, fail, print_json, table
 from skillswarm.protocol.identity import Identity, fingerprint
 from skillswarm.protocol.netspec import load_spec, save_spec
-from skillswarm.protocol.records import (ADMISSIONS, CODECS, DEFAULT_CODEC, MERGE_METHODS, MergePolicy, NetworkSpec,
-                                         RoundPolicy, ScreenPolicy, TrustPolicy)
+from skillswarm.protocol.records import (
+    ADMISSIONS,
+    CODECS,
+    DEFAULT_CODEC,
+    MERGE_METHODS,
+    MergePolicy,
+    NetworkSpec,
+    RoundPolicy,
+    ScreenPolicy,
+    TrustPolicy,
+)
 
-_SCREEN, _TRUST = ScreenPolicy(), TrustPolicy()  # the policies' own defaults, shown in --help
+# The policies' own defaults, shown in --help: the records are where each default is stated.
+_SCREEN, _TRUST, _ROUND, _MERGE = ScreenPolicy(), TrustPolicy(), RoundPolicy(), MergePolicy()
 
 app = typer.Typer(help="Create and inspect networks.", no_args_is_help=True)
 
@@ -48,14 +58,10 @@ def _resolve_base(model: str, revision: str | None) -> str:
             return weights_hash(path)
         except FileNotFoundError as e:
             fail(f"{e}; --model must be a Hugging Face model directory with safetensors weights")
-    try:
-        from huggingface_hub import snapshot_download
+    from skillswarm.node.hub import resolve_model
 
-        local = snapshot_download(model, revision=revision, allow_patterns=["*.safetensors", "*.json"])
-    except Exception as e:  # the hub client raises many types; all mean "could not get it"
-        fail(f"--model {model!r} is not a local directory and could not be fetched from the hub ({type(e).__name__}); "
-             "pass a local path (e.g. one made by `skillswarm base build`)")
-    return weights_hash(local)
+    ref = f"{model}@{revision}" if revision else model
+    return weights_hash(resolve_model(ref, "--model", patterns=["*.safetensors", "*.json"]))
 
 
 @app.command("init")
@@ -68,13 +74,13 @@ def init(
     bootstrap: Annotated[Optional[list[str]], typer.Option(help="Bootstrap peer multiaddr; repeatable.")] = None,
     revision: Annotated[Optional[str], typer.Option(help="Hub revision of the base model.")] = None,
     description: Annotated[str, typer.Option(help="One line about the network.")] = "",
-    method: Annotated[str, typer.Option(help=f"Merge method: {', '.join(MERGE_METHODS)}.")] = "ties",
-    density: Annotated[float, typer.Option(help="Fraction of each delta kept by ties/dare/breadcrumbs.")] = 0.2,
-    scale: Annotated[float, typer.Option("--lambda", help="Scale of the merged task vector.")] = 1.0,
+    method: Annotated[str, typer.Option(help=f"Merge method: {', '.join(MERGE_METHODS)}.")] = _MERGE.method,
+    density: Annotated[float, typer.Option(help="Fraction of each delta kept by ties/dare/breadcrumbs.")] = _MERGE.density,
+    scale: Annotated[float, typer.Option("--lambda", help="Scale of the merged task vector.")] = _MERGE.scale,
     codec: Annotated[str, typer.Option(help=f"Delta codec workers publish: {', '.join(CODECS)}.")] = DEFAULT_CODEC,
-    steps_per_round: Annotated[int, typer.Option(help="Training steps per round.")] = 20,
-    min_deltas: Annotated[int, typer.Option(help="Deltas a coordinator waits for before merging.")] = 1,
-    max_wait: Annotated[float, typer.Option(help="Seconds a round waits at most.")] = 900.0,
+    steps_per_round: Annotated[int, typer.Option(help="Training steps per round.", min=1)] = _ROUND.steps_per_round,
+    min_deltas: Annotated[int, typer.Option(help="Deltas a coordinator waits for before merging.", min=1)] = _ROUND.min_deltas,
+    max_wait: Annotated[float, typer.Option(help="Seconds a round waits at most.")] = _ROUND.max_wait_s,
     admission: Annotated[str, typer.Option(help=f"Who may publish deltas: {', '.join(ADMISSIONS)} (allowlist: only "
                                                 "the --worker keys).")] = _TRUST.admission,
     worker: Annotated[Optional[list[str]], typer.Option(help="An allowed worker's public key (hex); repeatable.")] = None,
@@ -97,8 +103,9 @@ def init(
                 "kind": "network", "network": name, "description": description, "base_model": model,
                 "base_revision": revision, "base_hash": base_hash, "skills": skill,
                 "coordinators": coordinator or [ident.public_key_hex], "bootstrap": bootstrap or [], "codec": codec,
-                "round": msgspec.to_builtins(RoundPolicy(steps_per_round=steps_per_round, min_deltas=min_deltas, max_wait_s=max_wait)),
-                "merge": {**msgspec.to_builtins(MergePolicy()), "method": method, "density": density, "lambda": scale},
+                "round": {**msgspec.to_builtins(_ROUND), "steps_per_round": steps_per_round, "min_deltas": min_deltas,
+                          "max_wait_s": max_wait},
+                "merge": {**msgspec.to_builtins(_MERGE), "method": method, "density": density, "lambda": scale},
                 "trust": {**msgspec.to_builtins(_TRUST), "admission": admission, "workers": worker or []},
                 "screen": {**msgspec.to_builtins(_SCREEN), "eval_n": screen_eval_n, "confidence": confidence},
                 **({"skill_versions": pins} if pins else {}),  # none: the file reads exactly as before plugins
@@ -207,8 +214,8 @@ def serve(
     import signal
     import threading
 
-    from skillswarm.protocol.transport.dht import SwarmDHT
     from skillswarm.protocol.hardware import probe_hardware
+    from skillswarm.protocol.transport.dht import SwarmDHT
     from skillswarm.protocol.transport.validation import StorePolicy
 
     spec = load_spec(network) if network else None
