@@ -6,7 +6,9 @@ every inclusion and rejection with its figures.
 
 A round never stalls on a peer: only online workers' deltas count, downloads have deadlines and a budget,
 an empty round says so and keeps waiting, and an all-rejected round backs off (`net status` shows why)
-and retries only when new deltas arrive. Rejected blobs are deleted.
+and retries only when new deltas arrive; once every online worker's delta has been tried, it ends the
+round with the weights unchanged (`skip_round`), so honest workers train on instead of the network
+waiting for deltas nobody will send. Rejected blobs are deleted.
 
 Crash safety: a checkpoint is built in a staging dir and committed (with its signed manifest) by a
 rename before it is published; on restart, staging debris is removed and a committed but unpublished
@@ -16,6 +18,7 @@ version is published as it was signed, so a version is never merged or published
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import shutil
 import threading
@@ -29,17 +32,24 @@ import msgspec
 from skillswarm.merge.deltas import dense_codec_for
 from skillswarm.node import failpoints
 from skillswarm.node.pull import find_checkpoint, local_base, pull, share
+from skillswarm.node.rl.config import EVAL_N
 from skillswarm.node.rounds import Candidate, RoundContext, RoundStrategy, evaluate_all
 from skillswarm.node.rounds.context import clean_figures
 from skillswarm.node.store import CheckpointStore, checkpoint_files, with_trees
-from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.protocol.codec import encode_record
 from skillswarm.protocol.errors import RecordError, SkillswarmError, SpecError
 from skillswarm.protocol.hashing import weights_hash
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.records import (
-    CheckpointManifest, DeltaManifest, DeltaRef, FileEntry, MergePolicy, NetworkSpec, Rejection,
+    CheckpointManifest,
+    DeltaManifest,
+    DeltaRef,
+    FileEntry,
+    MergePolicy,
+    NetworkSpec,
+    Rejection,
 )
+from skillswarm.protocol.transport.blobs import BlobStore
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +88,10 @@ class RoundReport:
 class RoundRejected(SkillswarmError):
     """Every candidate of a round was rejected; nothing to merge until new deltas arrive."""
 
-    def __init__(self, version: int, rejected: list[Rejection]) -> None:
+    def __init__(self, version: int, rejected: list[Rejection], eval_seed: int | None = None) -> None:
         reasons = "; ".join(f"{r.skill} {r.blob[:8]}: {r.reason}" for r in rejected[:4])
         super().__init__(f"every delta of round v{version} was rejected ({len(rejected)}): {reasons}"[:1000])
-        self.rejected = rejected
+        self.rejected, self.eval_seed = rejected, eval_seed
 
 
 def merge_params(policy: MergePolicy, seed: int) -> dict[str, float]:
@@ -92,10 +102,11 @@ def merge_params(policy: MergePolicy, seed: int) -> dict[str, float]:
 
 def policy_from_manifest(m: CheckpointManifest) -> tuple[MergePolicy, int]:
     """The merge policy and seed a manifest says it was made with (for `--verify`)."""
-    p = m.params
-    policy = MergePolicy(method=m.method or "ties", aggregator=m.aggregator or "mean", density=p.get("density", 0.2),
-                         scale=p.get("lambda", 1.0), trim_fraction=p.get("trim_fraction", 0.1),
-                         max_norm_ratio=p.get("max_norm_ratio", 5.0))
+    p, d = m.params, MergePolicy()  # what a manifest leaves out is the policy's default
+    policy = MergePolicy(method=m.method or d.method, aggregator=m.aggregator or d.aggregator,
+                         density=p.get("density", d.density), scale=p.get("lambda", d.scale),
+                         trim_fraction=p.get("trim_fraction", d.trim_fraction),
+                         max_norm_ratio=p.get("max_norm_ratio", d.max_norm_ratio))
     return policy, int(p.get("seed", m.parent_version or 0))
 
 
@@ -130,7 +141,7 @@ class Coordinator:
     """One coordinator of one network. `run()` merges rounds until `stop` is set or `max_rounds` are done."""
 
     def __init__(self, spec: NetworkSpec, identity: Identity, dht, store: CheckpointStore, blobs: BlobStore, *,
-                 eval_n: int = 64, poll: float = 2.0, progress: bool = False,
+                 eval_n: int = EVAL_N, poll: float = 2.0, progress: bool = False,
                  on_event: Callable[[str, dict], None] | None = None, merge_options: MergeOptions | None = None,
                  strategy: RoundStrategy | None = None) -> None:
         if identity.public_key_hex not in spec.coordinators:
@@ -226,7 +237,7 @@ class Coordinator:
             if c.manifest.blob not in keep:
                 self.blobs.remove(c.manifest.blob)
         if not accepted:
-            raise RoundRejected(current.version, rejected)
+            raise RoundRejected(current.version, rejected, ctx.eval_seed)
         staging = self.store.staging()
         try:
             out = staging / "ckpt"
@@ -262,12 +273,46 @@ class Coordinator:
                                  "metrics": {k: v.accuracy for k, v in metrics.items()}, "seconds": report.seconds})
         return report
 
+    def skip_round(self, current: CheckpointManifest, rejected: list[Rejection], eval_seed: int | None) -> RoundReport:
+        """Publish version current+1 with current's weights: every delta of the round was rejected and no online
+        worker has another to send (as a Flower round without results ends with the parameters unchanged). The
+        manifest lists the rejections; workers train on from the same weights."""
+        t0 = time.monotonic()
+        staging = self.store.staging()
+        try:
+            out = staging / "ckpt"
+            out.mkdir()
+            for f in current.files:
+                src, dst = self.store.path(current.version) / f.path, out / f.path
+                try:
+                    os.link(src, dst)
+                except OSError:
+                    shutil.copyfile(src, dst)
+            manifest = fit_manifest(CheckpointManifest(
+                network=self.spec.network, version=current.version + 1, parent_version=current.version,
+                parent_hash=current.weights_hash, weights_hash=current.weights_hash,
+                files=with_trees(current.files, out, self.blobs), method=self.spec.merge.method,
+                aggregator=self.spec.merge.aggregator, params=merge_params(self.spec.merge, current.version),
+                rejected=rejected[:128], omitted=max(0, len(rejected) - 128), eval_seed=eval_seed,
+                metrics=current.metrics,  # the same weights: the same figures
+            ), self.identity)
+            self.store.commit(manifest, out, verify=False)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        self.publish(manifest)
+        self.state = "idle"
+        log.info("round v%d ended with the weights unchanged: all %d delta(s) rejected", current.version, len(rejected))
+        self.on_event("merged", {"version": manifest.version, "included": 0, "rejected": len(rejected),
+                                 "metrics": {k: v.accuracy for k, v in manifest.metrics.items()}, "seconds": 0.0})
+        return RoundReport(manifest, time.monotonic() - t0, len(rejected), rejected, {})
+
     def run(self, stop: threading.Event | None = None, max_rounds: int | None = None) -> list[RoundReport]:
         """Merge rounds until `stop` is set or `max_rounds` merges are done."""
         stop = stop or threading.Event()
         current = self.recover()
         reports: list[RoundReport] = []
         round_start, seen, tried, backoff = time.monotonic(), -1, set(), self.poll
+        tried_by: set[str] = set()  # authors of this round's tried deltas
         earlier: list[Rejection] = []
         while not stop.is_set() and (max_rounds is None or len(reports) < max_rounds):
             if self.state != "waiting":
@@ -275,7 +320,8 @@ class Coordinator:
             newest = find_checkpoint(self.dht, self.spec)
             if newest is not None and newest.version > current.version:  # another coordinator moved on
                 pull(self.dht, self.spec, newest, self.store, self.blobs, progress=self.progress)
-                current, round_start, tried, backoff, earlier = newest, time.monotonic(), set(), self.poll, []
+                current, round_start, backoff = newest, time.monotonic(), self.poll
+                tried, tried_by, earlier = set(), set(), []
             online = self.online_workers()
             fresh = [d for d in self.collect(current) if d.blob not in tried and d.author in online]
             if len(fresh) != seen:
@@ -293,13 +339,16 @@ class Coordinator:
                 report = self.merge_round(current, fresh, online, earlier)
             except RoundRejected as e:
                 tried |= {d.blob for d in fresh}
+                tried_by |= {d.author for d in fresh}
                 earlier = e.rejected
-                backoff = min(2 * backoff, self.spec.round.max_backoff_s)
-                self._wait(f"round v{current.version}: all {len(fresh)} new delta(s) rejected; waiting for new ones "
-                           f"(next look in {backoff:.0f} s). {e.rejected[0].reason if e.rejected else ''}")
-                log.warning("%s", e)
-                stop.wait(backoff)
-                continue
+                if not online <= tried_by:  # an online worker has yet to send its delta: wait for it
+                    backoff = min(2 * backoff, self.spec.round.max_backoff_s)
+                    self._wait(f"round v{current.version}: all {len(fresh)} new delta(s) rejected; waiting for new ones "
+                               f"(next look in {backoff:.0f} s). {e.rejected[0].reason if e.rejected else ''}")
+                    log.warning("%s", e)
+                    stop.wait(backoff)
+                    continue
+                report = self.skip_round(current, e.rejected, e.eval_seed)
             except SkillswarmError as e:
                 backoff = min(2 * backoff, self.spec.round.max_backoff_s)
                 self._wait(f"round v{current.version} failed: {e}; retrying in {backoff:.0f} s")
@@ -307,8 +356,8 @@ class Coordinator:
                 stop.wait(backoff)
                 continue
             reports.append(report)
-            current, round_start, seen, tried, backoff = report.manifest, time.monotonic(), -1, set(), self.poll
-            earlier = []
+            current, round_start, seen, backoff = report.manifest, time.monotonic(), -1, self.poll
+            tried, tried_by, earlier = set(), set(), []
             self.note = ""
         return reports
 
@@ -363,6 +412,8 @@ def verify_checkpoint(spec: NetworkSpec, dht, store: CheckpointStore, blobs: Blo
 
     if manifest.parent_version is None:
         return Verification(spec.base_hash, None, manifest.weights_hash == spec.base_hash)
+    if not manifest.included:  # a round that rejected everything keeps its parent's weights
+        return Verification(manifest.weights_hash, None, manifest.weights_hash == manifest.parent_hash)
     parent_dir, groups = merge_inputs(spec, dht, store, blobs, manifest, progress=progress)
     policy, seed = policy_from_manifest(manifest)
     staging = store.staging()

@@ -8,29 +8,32 @@ interrupted training run from its last run checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 from skillswarm.node.pull import pull, share, wait_for_checkpoint
 from skillswarm.node.store import CheckpointStore
 from skillswarm.protocol.atomic import atomic_write_text
-from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.protocol.codec import decode_record, encode_record
 from skillswarm.protocol.errors import RecordError, SpecError
 from skillswarm.protocol.hardware import probe_hardware
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, NetworkSpec, SkillStats, TrainStats
+from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.skills.registry import check_network
 
 log = logging.getLogger(__name__)
 
 DELTA_TTL = 24 * 3600.0
 STATS_TTL = 300.0
+# What a round's training changes from TrainConfig's defaults: eval only before and after (the figures its delta
+# manifest carries), and a run checkpoint every 10 steps so a restarted worker loses little of its round.
+ROUND_SETTINGS: dict[str, Any] = {"eval_every": 0, "save_every": 10}
 
 
 @dataclass
@@ -103,15 +106,22 @@ class Worker:
                                     "accuracy_before": manifest.stats.accuracy_before,
                                     "accuracy_after": manifest.stats.accuracy_after})
 
+    def round_seed(self, version: int) -> int:
+        """The seed of this worker's round on `version`: new tasks every round (a round that ended with the weights
+        unchanged is not replayed), and other tasks than another worker's on the same shard."""
+        digest = hashlib.sha256(f"{self.identity.public_key_hex}:{self.opt.skill}:{version}".encode()).digest()
+        return int.from_bytes(digest[:4], "big") >> 1
+
     def train_round(self, current: CheckpointManifest, stop: threading.Event) -> DeltaManifest | None:
         """Train on the shard from `current`, encode the delta, publish it; None when stopped early."""
-        from skillswarm.node.train import TrainConfig, train
+        from skillswarm.node.rl.config import TrainConfig
+        from skillswarm.node.rl.run import train
 
         base_dir = self.store.path(current.version)
         run_dir = self.store.root / "runs" / f"{self.opt.skill}-v{current.version}"
         steps = self.opt.steps_per_round or self.spec.round.steps_per_round
         self.state = "training"
-        settings = {"eval_every": 0, "eval_n": 64, "save_every": 10, "max_minutes": self.opt.minutes_per_round,
+        settings = {**ROUND_SETTINGS, "seed": self.round_seed(current.version), "max_minutes": self.opt.minutes_per_round,
                     **self.opt.train}
         cfg = TrainConfig(model_dir=base_dir, skill=self.opt.skill, steps=steps, out_dir=run_dir, lora=self.opt.lora,
                           engine=self.opt.engine, resume=run_dir.exists(),

@@ -121,6 +121,8 @@ def test_an_all_rejected_round_backs_off_deletes_its_blobs_and_lists_them_later(
     calls = []
     real = swarm.coordinator.merge_round
     swarm.coordinator.merge_round = lambda *a, **k: (calls.append(1), real(*a, **k))[1]  # count attempts
+    later = swarm.worker(online=True)  # online, still training: the round waits for its delta
+    wait_for(lambda: later.identity.public_key_hex in swarm.coordinator.online_workers(), 30, "the worker's record")
     liar = swarm.publish(swarm.worker(online=True), seed=3, norm=123.0)  # the file's norm is ~0.06
     wait_for(lambda: "rejected" in swarm.coordinator.note, 90, "the all-rejected note")
     assert "all 1 new delta(s) rejected" in swarm.coordinator.note and swarm.coordinator.state == "waiting"
@@ -128,9 +130,28 @@ def test_an_all_rejected_round_backs_off_deletes_its_blobs_and_lists_them_later(
     time.sleep(3)  # backoff passes; the same rejected delta is not tried again
     assert len(calls) == 1 and not swarm.coordinator.store.has(1)
 
-    honest = swarm.publish(swarm.worker(online=True), seed=4)
+    honest = swarm.publish(later, seed=4)
     swarm.thread.join(120)
     v1 = swarm.coordinator.store.manifest(1)
     assert [d.blob for d in v1.included] == [honest.blob] and len(calls) == 2
     (rej,) = v1.rejected
     assert rej.blob == liar.blob and rej.step == "inspect" and "claims norm 123" in rej.reason
+
+
+def test_a_round_whose_every_online_worker_was_rejected_ends_with_the_weights_unchanged(swarm: Swarm) -> None:
+    """No online worker is left to send a better delta, so the round ends: v1 keeps v0's weights and lists the
+    rejection, instead of the network waiting for a delta nobody will send."""
+    from skillswarm.node.coordinator import verify_checkpoint
+
+    liar = swarm.publish(swarm.worker(online=True), seed=5, norm=123.0)
+    swarm.thread.join(120)
+    assert not swarm.thread.is_alive()
+    store = swarm.coordinator.store
+    v0, v1 = store.manifest(0), store.manifest(1)
+    assert v1.weights_hash == v0.weights_hash == weights_hash(store.path(1)) and v1.parent_version == 0
+    assert v1.included == [] and [r.blob for r in v1.rejected] == [liar.blob] and v1.merged_delta is None
+    assert v1.metrics == v0.metrics and swarm.coordinator.note == ""
+    found = wait_for(lambda: swarm.dht.get_checkpoint(1, trusted=swarm.spec.coordinators), 30, "v1 in the DHT")
+    assert found.weights_hash == v0.weights_hash
+    check = verify_checkpoint(swarm.spec, swarm.dht, store, swarm.blobs, v1)
+    assert check.match and check.merged_delta is None
