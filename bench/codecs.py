@@ -60,9 +60,9 @@ def main() -> None:
     from rich.table import Table
 
     from skillswarm.merge import compute_delta, merge_checkpoint
-    from skillswarm.node.adapter import model_targets
     from skillswarm.node.demo import DemoConfig
-    from skillswarm.node.evaluation import evaluate
+    from skillswarm.node.rl.adapter import model_targets
+    from skillswarm.node.rl.evaluation import evaluate
     from skillswarm.protocol.errors import SkillswarmError
     from skillswarm.protocol.records import MergePolicy
     from skillswarm.skills.nano.build import build_base

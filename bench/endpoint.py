@@ -36,7 +36,7 @@ def _prompts(n: int) -> list[list[dict[str, str]]]:
 def _direct(model: Path, prompts: list[list[dict[str, str]]], batch: int, max_tokens: int) -> tuple[float, int]:
     import torch
 
-    from skillswarm.node.generation import HFEngine
+    from skillswarm.node.rl.engines.hf import HFEngine
     from skillswarm.skills.chat import encode, render
     from skillswarm.skills.episode import Message
 

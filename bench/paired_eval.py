@@ -31,7 +31,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from skillswarm.node.evaluation import evaluate
+    from skillswarm.node.rl.evaluation import evaluate
     from skillswarm.node.rounds.usefulness import sign_test_p
     from skillswarm.protocol.errors import SkillswarmError
 

@@ -39,7 +39,8 @@ SKILLS = ["arith", "calc", "reverse", "sort"]
 
 def _honest(base: Path, work: Path, steps: int, minutes: float) -> dict[str, Path]:
     """One RL round per skill on the base, as the demo's workers run it."""
-    from skillswarm.node.train import TrainConfig, train
+    from skillswarm.node.rl.config import TrainConfig
+    from skillswarm.node.rl.run import train
 
     out = {}
     for skill in SKILLS:
@@ -73,7 +74,7 @@ class Drill:
     """The round context and the clean baseline; `run` screens and merges one set of candidates."""
 
     def __init__(self, base: Path, work: Path, eval_n: int) -> None:
-        from skillswarm.node.evaluation import evaluate
+        from skillswarm.node.rl.evaluation import evaluate
         from skillswarm.protocol.hashing import weights_hash
         from skillswarm.protocol.identity import Identity
         from skillswarm.protocol.records import CheckpointManifest, FileEntry, MergePolicy, NetworkSpec
@@ -154,7 +155,7 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
 
-    from skillswarm.node.evaluation import evaluate
+    from skillswarm.node.rl.evaluation import evaluate
     from skillswarm.skills.nano.build import build_base
     from tests.sft import sft_delta
 
@@ -236,7 +237,7 @@ def main() -> None:
 def evaluate_with(base: Path, delta: Path, skill: str, n: int, work: Path) -> float:
     """A specialist's accuracy: base + its delta alone."""
     from skillswarm.merge import apply_delta
-    from skillswarm.node.evaluation import evaluate
+    from skillswarm.node.rl.evaluation import evaluate
 
     out = work / f"specialist-{skill}"
     apply_delta(base, delta, out, progress=False)

@@ -22,7 +22,7 @@ from typing import Any
 
 
 def _rates(metrics_path: Path, warmup: int) -> dict[str, Any]:
-    from skillswarm.node.metrics import read_metrics
+    from skillswarm.node.rl.rundir import read_metrics
 
     steps = [r for r in read_metrics(metrics_path) if r.get("kind") == "step"]
     if len(steps) <= warmup:
@@ -46,7 +46,8 @@ def _rates(metrics_path: Path, warmup: int) -> dict[str, Any]:
 
 
 def _run(model: Path, args: argparse.Namespace, sync: bool, out: Path) -> dict[str, Any]:
-    from skillswarm.node.train import TrainConfig, train
+    from skillswarm.node.rl.config import TrainConfig
+    from skillswarm.node.rl.run import train
 
     cfg = TrainConfig(model_dir=model, skill=args.skill, steps=args.steps, out_dir=out, sync=sync,
                       async_mode=args.async_mode, group_size=args.group_size, batch=args.batch,

@@ -56,9 +56,10 @@ def main() -> int:
 
     import torch
 
-    from skillswarm.node.generation import load_model_dir
-    from skillswarm.node.orchestrator import Orchestrator, RolloutConfig
-    from skillswarm.node.vllm_engine import VLLMEngine, vllm_available
+    from skillswarm.node.rl.config import TrainConfig
+    from skillswarm.node.rl.engines.hf import load_model_dir
+    from skillswarm.node.rl.engines.vllm import VLLMEngine, vllm_available
+    from skillswarm.node.rl.orchestrator import Orchestrator
     from skillswarm.skills.chat import encode, render
     from skillswarm.skills.registry import get_skill
 
@@ -90,7 +91,7 @@ def main() -> int:
         report[f"agreement_T{temp}"] = r
         checks[f"logprobs agree at T={temp}"] = r["max_abs_diff"] < tol
     greedy_v = engine.generate(prompts, 24, temperature=0.0)
-    from skillswarm.node.generation import HFEngine
+    from skillswarm.node.rl.engines.hf import HFEngine
 
     hf_engine = HFEngine(hf, tok, "cuda")
     greedy_h = hf_engine.generate(prompts, 24, temperature=0.0)
@@ -113,7 +114,7 @@ def main() -> int:
     checks["update changed vLLM's logprobs"] = abs(after["sum_logprob"] - before) > 1e-3
     checks["logprobs agree after the update"] = after["max_abs_diff"] < tol
 
-    orch = Orchestrator(engine, get_skill("calc"), RolloutConfig(group_size=4, groups_per_batch=2, max_new_tokens=24))
+    orch = Orchestrator(engine, get_skill("calc"), TrainConfig(model_dir=model_dir, skill="calc", group_size=4, batch=2, max_new_tokens=24).rollout_config())
     batch = orch.generate_batch(0)
     report["orchestrator"] = {"groups": len(batch.groups), "statuses": [g.status for g in batch.groups],
                               "policy_version": batch.policy_version, "tokens": batch.tokens}

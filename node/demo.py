@@ -23,13 +23,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+from skillswarm.node.rl.config import EVAL_N
 from skillswarm.protocol.atomic import atomic_write_text
 from skillswarm.protocol.errors import SkillswarmError
 from skillswarm.protocol.hashing import weights_hash
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.netspec import save_spec
-from skillswarm.protocol.records import (CheckpointManifest, DeltaManifest, MergeMethod, MergePolicy, NetworkSpec,
-                                         RoundPolicy, ScreenPolicy)
+from skillswarm.protocol.records import (
+    CheckpointManifest,
+    DeltaManifest,
+    MergeMethod,
+    MergePolicy,
+    NetworkSpec,
+    RoundPolicy,
+    ScreenPolicy,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +53,14 @@ class DemoConfig:
     # More, shorter rounds keep more of each gain than fewer, longer ones (same steps in all; see the README):
     # every skill re-learns on the merged model, and the last round's deltas, the ones merged last, are small.
     rounds: int = 4
-    steps_per_round: int = 50  # the same steps for every skill: time-boxed rounds starve the slow (multi-turn) ones
+    # The same steps for every skill (time-boxed rounds starve the slow, multi-turn ones): the network's default.
+    steps_per_round: int = RoundPolicy().steps_per_round
     minutes_per_round: float | None = 2.0  # a cap, so `make demo` stays within 15 minutes on 2 cores
-    method: str = "task_arithmetic"
+    method: str = MergePolicy().method
     density: float = 0.3
     scale: float = 0.6  # 4 dense RL deltas summed at lambda=1 overshoot; 0.6 kept the most (see the README)
     compare: list[str] = field(default_factory=lambda: ["ties@1", "task_arithmetic@1"])  # re-merge the last round
-    eval_n: int = 100
+    eval_n: int = EVAL_N
     group_size: int = 8
     batch: int = 8
     lr: float | None = None
@@ -168,8 +177,8 @@ def run_demo(cfg: DemoConfig, base: Path, on_status: Callable[[DemoStatus], None
         maddr = _bootstrap_address(s)
         join = ["--network", str(spec_file), "--peers", maddr, "--host", "127.0.0.1"]
         s.start("coordinator", ["coordinator", "run", *join, "--key", str(coord_key), "--eval-n", str(cfg.eval_n)])
-        train = ["--group-size", str(cfg.group_size), "--batch", str(cfg.batch), "--threads", "1",
-                 "--eval-n", str(cfg.eval_n), "--rounds", str(cfg.rounds), "--no-progress"]
+        train = ["--group-size", str(cfg.group_size), "--threads", "1", "--eval-n", str(cfg.eval_n),
+                 "--rounds", str(cfg.rounds), "--no-progress", "--batch", str(cfg.batch)]
         if cfg.minutes_per_round:
             train += ["--minutes-per-round", str(cfg.minutes_per_round)]
         workers = [f"worker-{k}" for k in cfg.skills]
@@ -285,8 +294,13 @@ def make_report(cfg: DemoConfig, final: CheckpointManifest, history: list[Checkp
         specialist = max((d.stats.accuracy_after for d in spec_d if d.stats.accuracy_after is not None), default=None)
         metric = final.metrics.get(skill)
         merged = metric.accuracy if metric else None
+        rounds = [max((d.stats.accuracy_after for d in deltas.get(v, []) if d.skill == skill
+                       and d.stats.accuracy_after is not None), default=None) for v in range(final.version)]
+        best = max((a for a in rounds if a is not None), default=None)
         skills[skill] = {"base": base, "specialist": specialist, "merged": merged,
-                         "retention": _retention(base, specialist, merged)}
+                         "retention": _retention(base, specialist, merged),
+                         "round_specialists": rounds, "best_round_specialist": best,
+                         "first_round_specialist": rounds[0] if rounds else None}
     run_label = method_label(MergePolicy(method=cfg.method, density=cfg.density, scale=cfg.scale))  # type: ignore[arg-type]
     methods = {run_label: {k: {"merged": v["merged"], "retention": v["retention"]} for k, v in skills.items()}}
     for label, accuracy in (alternatives or {}).items():
@@ -299,9 +313,21 @@ def make_report(cfg: DemoConfig, final: CheckpointManifest, history: list[Checkp
         "weights_hash": final.weights_hash, "checkpoint": str(cfg.out / "final"),
         "history": [{"version": h.version, "included": len(h.included), "rejected": len(h.rejected),
                      "accuracy": {k: m.accuracy for k, m in sorted(h.metrics.items())}} for h in history],
+        "per_round": per_round(skills, history),
         "specialists": {str(v): {d.skill: {"before": d.stats.accuracy_before, "after": d.stats.accuracy_after}
                                  for d in ds} for v, ds in sorted(deltas.items())},
     }
+
+
+def per_round(skills: dict[str, dict], history: list[CheckpointManifest]) -> list[dict]:
+    """Merged accuracy per skill at every version (v0: the base, as its workers measured it), with how many
+    deltas each merge included and rejected: whether the swarm keeps improving round over round."""
+    rows = [{"version": 0, "accuracy": {k: v["base"] for k, v in skills.items()}, "included": None, "rejected": None}]
+    for h in sorted(history, key=lambda h: h.version):
+        rows.append({"version": h.version, "accuracy": {k: (h.metrics[k].accuracy if k in h.metrics else None)
+                                                        for k in skills},
+                     "included": len(h.included), "rejected": len(h.rejected)})
+    return rows
 
 
 def plot_report(report: dict, png: Path) -> Path:

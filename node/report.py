@@ -6,8 +6,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from skillswarm.node.metrics import read_metrics
-from skillswarm.node.runstate import METRICS
+from skillswarm.node.rl.rundir import METRICS, read_metrics
 from skillswarm.protocol.atomic import atomic_open
 from skillswarm.protocol.errors import TrainError
 

@@ -164,7 +164,7 @@ class SkillMetrics(_Part, kw_only=True):
 class RoundPolicy(_Part, kw_only=True):
     """When a round ends (enough deltas, or the wait ran out), and how long its downloads may take."""
 
-    steps_per_round: Annotated[int, Meta(ge=1, le=1_000_000)] = 20
+    steps_per_round: Annotated[int, Meta(ge=1, le=1_000_000)] = 50
     min_deltas: Annotated[int, Meta(ge=1, le=4096)] = 1
     max_wait_s: Annotated[float, Meta(gt=0.0, le=1e7)] = 900.0
     fetch_budget_s: Annotated[float, Meta(gt=0.0, le=1e7)] = 900.0  # every delta of a round, fetched concurrently
@@ -174,7 +174,9 @@ class RoundPolicy(_Part, kw_only=True):
 class MergePolicy(_Part, kw_only=True):
     """How a coordinator folds a round's deltas into the next checkpoint."""
 
-    method: MergeMethod = "ties"
+    # Task arithmetic: RL deltas of different skills are dense and nearly orthogonal, so they add up; in the
+    # demo's runs it kept as much of each skill's gain as TIES or more (README, "The swarm").
+    method: MergeMethod = "task_arithmetic"
     aggregator: Aggregator = "mean"  # within one skill's deltas
     density: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.2
     scale: Annotated[float, Meta(gt=0.0, le=100.0)] = msgspec.field(default=1.0, name="lambda")

@@ -3,7 +3,7 @@
 Token sequences are built the way a rollout builds them, turn by turn: the environment's part (the
 rendered text up to and including the assistant header) and the model's part (the assistant's
 content and the template's end-of-turn text) are encoded separately, so the loss mask is exactly the
-model's tokens. The nano warm-up trains on these sequences; `skillswarm.node.rollout` makes the same
+model's tokens. The nano warm-up trains on these sequences; `skillswarm.node.rl.rollout` makes the same
 ones from sampled turns.
 """
 

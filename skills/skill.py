@@ -3,7 +3,7 @@
 A skill author writes those three parts (and, optionally, a scripted `reference` player that the nano
 base model's warm-up imitates) and nothing about training. `run_episode` is the text-level loop, for
 any policy that maps messages to the next turn's text; the RL engine runs the same environment with
-tokens in batches (`skillswarm.node.rollout`).
+tokens in batches (`skillswarm.node.rl.rollout`).
 """
 
 from __future__ import annotations

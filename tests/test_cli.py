@@ -14,6 +14,15 @@ def test_help_lists_registered_commands() -> None:
     assert "Usage" in run_cli("net", "--help").stdout
 
 
+def test_flags_are_drawn_without_a_value_and_options_with_their_type() -> None:
+    """`--json` takes no value, so --help must not draw it as `--json <bool>`; valued options keep their type."""
+    out = run_cli("eval", "--help", env={"COLUMNS": "200"}).stdout
+    flags = [line for line in out.splitlines() if "--json" in line or "--help" in line]
+    assert len(flags) == 2 and not any("<bool>" in line for line in flags), flags
+    assert any("--n" in line and "<int" in line for line in out.splitlines()), out
+    assert "<bool>" not in run_cli("train", "--help", env={"COLUMNS": "200"}).stdout
+
+
 def test_version() -> None:
     out = run_cli("--version").stdout
     assert out.startswith("skillswarm ") and "protocol 1" in out

@@ -44,6 +44,13 @@ def test_report_computes_retention_per_skill_and_per_method(tmp_path: Path) -> N
     assert other["reverse"]["retention"] == pytest.approx((0.60 - 0.25) / 0.70, abs=1e-4)
     assert other["sort"]["retention"] == pytest.approx(1.0)  # merged matches the specialist
     assert report["rounds"] == 2 and report["method"] == "ties"
+    # each round's specialist, and the merged accuracy per version (v0: the base the workers measured)
+    assert reverse["round_specialists"] == [0.9, 0.95] and reverse["best_round_specialist"] == 0.95
+    assert arith["first_round_specialist"] == 0.19 and arith["best_round_specialist"] == 0.19
+    v0, v2 = report["per_round"]
+    assert v0 == {"version": 0, "accuracy": {"reverse": 0.25, "sort": 0.30, "arith": 0.20}, "included": None,
+                  "rejected": None}
+    assert v2["version"] == 2 and v2["accuracy"] == {"reverse": 0.90, "sort": 0.50, "arith": 0.2}
 
 
 def test_method_specs_parse_or_say_how_to_fix(tmp_path: Path) -> None:
@@ -57,16 +64,3 @@ def test_method_specs_parse_or_say_how_to_fix(tmp_path: Path) -> None:
             continue
         with pytest.raises(SkillswarmError, match="METHOD@LAMBDA"):
             parse_method(bad, cfg)
-
-
-def test_the_cli_runs_the_demo_with_the_configs_defaults(tmp_path: Path) -> None:
-    """`skillswarm demo` and `DemoConfig` state the recipe twice; the README's figures are for both."""
-    import inspect
-
-    from skillswarm.node.cli.demo_cmd import demo_cmd
-
-    cfg = DemoConfig(out=tmp_path, skills=["arith"])
-    cli = {name: p.default for name, p in inspect.signature(demo_cmd).parameters.items()}
-    assert (cli["rounds"], cli["steps_per_round"], cli["minutes_per_round"], cli["method"], cli["density"],
-            cli["lambda_"], cli["eval_n"]) == (cfg.rounds, cfg.steps_per_round, cfg.minutes_per_round, cfg.method,
-                                               cfg.density, cfg.scale, cfg.eval_n)

@@ -141,7 +141,8 @@ def test_openai_client_records_trains_and_logprobs_match(nano_model: Path, tmp_p
             assert tok.decode(seg.token_ids).startswith("<|system|>" if g.name == "calc" and not g.id.startswith("fb") else "<|user|>")
     assert any(len(t.calls) > 1 for g in calc for t in g.trajectories)  # multi-turn, tool results in between
 
-    from skillswarm.node.train import TrainConfig, train
+    from skillswarm.node.rl.config import TrainConfig
+    from skillswarm.node.rl.run import train
 
     result = train(TrainConfig(model_dir=nano_model, skill="external:calc", store=store, steps=3, batch=2, max_staleness=8,
                                eval_n=0, out_dir=tmp_path / "run", warmup_steps=1), progress=False)
@@ -189,7 +190,8 @@ def test_ingest_logged_traces_then_train(nano_model: Path, tmp_path: Path) -> No
     proc = run_cli("ingest", str(bad), "--store", str(store), "--model", str(nano_model), check=False)
     assert proc.returncode == 1 and "line 2: reward must be a number" in proc.stderr and "Traceback" not in proc.stderr
     assert len(_groups(store)) == 2  # nothing of the bad file landed
-    from skillswarm.node.train import TrainConfig, train
+    from skillswarm.node.rl.config import TrainConfig
+    from skillswarm.node.rl.run import train
     from skillswarm.protocol.errors import TrainError
 
     trained = train(TrainConfig(model_dir=nano_model, skill="external:logs", store=store, steps=5, batch=2, eval_n=0,

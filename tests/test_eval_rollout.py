@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from skillswarm.node.evaluation import evaluate
-from skillswarm.node.generation import HFEngine
-from skillswarm.node.rollout import run_episodes
+from skillswarm.node.rl.engines.hf import HFEngine
+from skillswarm.node.rl.evaluation import evaluate
+from skillswarm.node.rl.rollout import run_episodes
 from skillswarm.skills.chat import encode, render
 from skillswarm.skills.environment import Environment
 from skillswarm.skills.episode import OUTCOMES

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from skillswarm.node.grpo import LossConfig, aggregate, group_advantages, has_signal, kl_k3, policy_loss
+from skillswarm.node.rl.grpo import aggregate, group_advantages, has_signal, kl_k3, policy_loss
+from tests.rl_configs import loss_config
 
 
 def test_group_advantages_by_variant() -> None:
@@ -31,7 +32,7 @@ def test_ratio_one_reduces_to_minus_advantage_times_logprob() -> None:
     logp = torch.log_softmax(logits, -1)[:, :4]  # [B=3, T=4]
     adv = torch.tensor([1.5, -0.5, 2.0])
     mask = torch.ones(3, 4)
-    cfg = LossConfig(variant="grpo")
+    cfg = loss_config(loss="grpo")
     loss, m = policy_loss(logp, logp.detach(), logp.detach(), adv, mask, cfg)
     reference = (-(adv[:, None] * logp)).mean(-1).mean()  # -A * logprob, per-sequence mean
     g1 = torch.autograd.grad(loss, logits, retain_graph=True)[0]
@@ -42,7 +43,7 @@ def test_ratio_one_reduces_to_minus_advantage_times_logprob() -> None:
 
 
 def test_clipping_engages_where_it_should() -> None:
-    cfg = LossConfig(variant="dapo", eps_low=0.2, eps_high=0.28)
+    cfg = loss_config(loss="dapo", eps_low=0.2, eps_high=0.28)
     old = torch.zeros(1, 4)
     # ratios: 1.5 (above 1+eps_high), 0.5 (below 1-eps_low), 1.1 (inside), 1.5
     logp = torch.log(torch.tensor([[1.5, 0.5, 1.1, 1.5]])).requires_grad_()
@@ -61,7 +62,7 @@ def test_clipping_engages_where_it_should() -> None:
 
 
 def test_truncated_importance_sampling_caps_the_weight() -> None:
-    cfg = LossConfig(variant="dapo", tis_cap=2.0)
+    cfg = loss_config(loss="dapo", tis_cap=2.0)
     logp = torch.zeros(1, 3, requires_grad=True)
     behaviour = torch.log(torch.tensor([[0.25, 1.0, 2.0]]))  # pi/pi_behaviour = 4 (capped to 2), 1, 0.5
     loss, m = policy_loss(logp, logp.detach(), behaviour, torch.tensor([1.0]), torch.ones(1, 3), cfg)
@@ -75,7 +76,7 @@ def test_masked_tokens_get_zero_gradient_and_do_not_count() -> None:
     logp = torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
     mask = torch.tensor([[0, 0, 1, 1, 0, 1], [0, 1, 1, 0, 0, 0]], dtype=torch.float32)
     for variant in ("grpo", "dr_grpo", "dapo"):
-        loss, _ = policy_loss(logp, logp.detach(), logp.detach(), torch.tensor([1.0, -2.0]), mask, LossConfig(variant=variant))
+        loss, _ = policy_loss(logp, logp.detach(), logp.detach(), torch.tensor([1.0, -2.0]), mask, loss_config(loss=variant))
         (g,) = torch.autograd.grad(loss, logits, retain_graph=True)
         assert torch.all(g[mask == 0] == 0), variant
         assert torch.all(g[mask == 1].abs().sum(-1) > 0), variant
@@ -84,9 +85,9 @@ def test_masked_tokens_get_zero_gradient_and_do_not_count() -> None:
 def test_aggregation_by_variant() -> None:
     per_token = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
-    assert aggregate(per_token, mask, LossConfig(variant="grpo")).item() == pytest.approx((2.0 + 4.0) / 2)
-    assert aggregate(per_token, mask, LossConfig(variant="dapo")).item() == pytest.approx(10.0 / 4)
-    assert aggregate(per_token, mask, LossConfig(variant="dr_grpo", max_tokens=5)).item() == pytest.approx(10.0 / (2 * 5))
+    assert aggregate(per_token, mask, loss_config(loss="grpo")).item() == pytest.approx((2.0 + 4.0) / 2)
+    assert aggregate(per_token, mask, loss_config(loss="dapo")).item() == pytest.approx(10.0 / 4)
+    assert aggregate(per_token, mask, loss_config(loss="dr_grpo", max_new_tokens=5)).item() == pytest.approx(10.0 / (2 * 5))
 
 
 def test_kl_penalty() -> None:
@@ -94,7 +95,7 @@ def test_kl_penalty() -> None:
     ref = torch.log(torch.tensor([[0.25, 0.25]]))
     k3 = kl_k3(logp, ref)
     assert k3[0, 0].item() == pytest.approx(0.5 - math.log(0.5) - 1) and k3[0, 1].item() == 0
-    cfg = LossConfig(variant="dapo", beta=0.1)
+    cfg = loss_config(loss="dapo", beta=0.1)
     loss, m = policy_loss(logp, logp, logp, torch.tensor([0.0]), torch.ones(1, 2), cfg, ref_logp=ref)
     assert loss.item() == pytest.approx(0.1 * k3.mean().item()) and m["kl"] == pytest.approx(k3.mean().item())
     with pytest.raises(ValueError, match="ref_logp"):
@@ -103,13 +104,13 @@ def test_kl_penalty() -> None:
 
 def test_bad_config_is_rejected() -> None:
     with pytest.raises(ValueError, match="variant"):
-        LossConfig(variant="ppo")  # type: ignore[arg-type]
+        loss_config(loss="ppo")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
-        LossConfig(eps_low=1.5)
+        loss_config(eps_low=1.5)
 
 
 def test_micro_batches_sum_to_the_full_batch_loss() -> None:
-    from skillswarm.node.grpo import token_weights
+    from skillswarm.node.rl.grpo import token_weights
 
     torch.manual_seed(3)
     logp = torch.randn(4, 5) - 2
@@ -117,7 +118,7 @@ def test_micro_batches_sum_to_the_full_batch_loss() -> None:
     mask = (torch.rand(4, 5) > 0.3).float()
     adv = torch.randn(4)
     for variant in ("grpo", "dr_grpo", "dapo"):
-        cfg = LossConfig(variant=variant)
+        cfg = loss_config(loss=variant)
         full, _ = policy_loss(logp, logp, behaviour, adv, mask, cfg)
         w = token_weights(mask, cfg)
         parts = sum(policy_loss(logp[i:i + 2], logp[i:i + 2], behaviour[i:i + 2], adv[i:i + 2], mask[i:i + 2], cfg,

@@ -78,7 +78,7 @@ def _imports(path: Path) -> set[str]:
 @pytest.mark.parametrize("pkg, forbidden", [
     ("protocol", ("skillswarm.node", "skillswarm.merge", "skillswarm.skills")),
     ("skills", ("skillswarm.node", "skillswarm.merge")),
-    ("merge", ("skillswarm.node", "skillswarm.skills", "hivemind", "socket", "http", "urllib", "requests",
+    ("merge", ("skillswarm.node", "skillswarm.skills", "hivemind", "huggingface_hub", "socket", "http", "urllib", "requests",
                "skillswarm.protocol.transport.dht", "skillswarm.protocol.transport.blobs")),
 ])
 def test_dependencies_point_one_way(pkg: str, forbidden: tuple[str, ...]) -> None:
@@ -96,3 +96,67 @@ def test_no_relative_imports_and_no_huge_files() -> None:
             assert len(text.splitlines()) <= 550, f"{p.relative_to(ROOT)} is over ~500 lines; split it"
             tree = ast.parse(text)
             assert not [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level], f"{p}: use absolute imports"
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the four packages by its dotted name (a package by its __init__)."""
+    out = {}
+    for pkg in PACKAGES:
+        for p in (ROOT / pkg).rglob("*.py"):
+            parts = [part for part in p.relative_to(ROOT / pkg).with_suffix("").parts if part != "__init__"]
+            out[".".join([f"skillswarm.{pkg}", *parts])] = p
+    return out
+
+
+def _module_level_imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules `path` imports when it is imported: top-level statements, inside `if` (TYPE_CHECKING
+    included) and `try` blocks, not inside functions. `from pkg import sub` depends on pkg.sub alone."""
+    found: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for n in body:
+            if isinstance(n, ast.Import):
+                found.update(a.name for a in n.names)
+            elif isinstance(n, ast.ImportFrom) and n.module:
+                subs = [f"{n.module}.{a.name}" for a in n.names if f"{n.module}.{a.name}" in modules]
+                found.update(subs)
+                if len(subs) < len(n.names):
+                    found.add(n.module)
+            elif isinstance(n, (ast.If, ast.Try)):
+                visit(n.body)
+                visit(n.orelse)
+                for handler in getattr(n, "handlers", []):
+                    visit(handler.body)
+
+    visit(ast.parse(path.read_text()).body)
+    resolved = set()
+    for name in found:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        if name:
+            resolved.add(name)
+    return resolved
+
+
+def test_no_import_cycles_even_under_type_checking() -> None:
+    modules = _modules()
+    graph = {m: _module_level_imports(p, modules) - {m} for m, p in modules.items()}
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+    cycles: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for dep in sorted(graph[m]):
+            if state.get(dep) == 1:
+                cycles.append(" -> ".join(path[path.index(dep):] + [dep]))
+            elif dep not in state:
+                visit(dep)
+        path.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert not cycles, cycles

@@ -30,7 +30,8 @@ IDS = torch.tensor([[5, 9, 14, 20, 27, 33, 41, 2]])
 @pytest.fixture(scope="module")
 def runs(nano_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Two real LoRA training runs (two skills, two GRPO steps each) that publish their adapters."""
-    from skillswarm.node.train import TrainConfig, train
+    from skillswarm.node.rl.config import TrainConfig
+    from skillswarm.node.rl.run import train
 
     out = {}
     for skill in ("reverse", "sort"):
@@ -126,7 +127,6 @@ def test_the_coordinator_merges_two_adapters_bit_stably(runs: dict[str, Any], na
 def test_merge_delta_lora_writes_a_peft_adapter(runs: dict[str, Any], nano_model: Path, tmp_path: Path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-
     from typer.testing import CliRunner
 
     from skillswarm.node.cli.app import app

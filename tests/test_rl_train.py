@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from skillswarm.merge import read_delta
-from skillswarm.node.metrics import read_metrics
-from skillswarm.node.runstate import load_checkpoint
-from skillswarm.node.train import TrainConfig, train
+from skillswarm.node.rl.config import TrainConfig
+from skillswarm.node.rl.run import train
+from skillswarm.node.rl.rundir import load_checkpoint, read_metrics
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.slow

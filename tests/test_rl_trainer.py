@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from skillswarm.node.feed import split_groups
-from skillswarm.node.generation import HFEngine, load_model_dir
-from skillswarm.node.grpo import LossConfig
-from skillswarm.node.orchestrator import Group, Orchestrator, RolloutConfig, Sample
-from skillswarm.node.trainer import OptimConfig, Trainer, collate, token_logprobs
+from skillswarm.node.rl.engines.hf import HFEngine, load_model_dir
+from skillswarm.node.rl.groups import Group, Sample, split_groups
+from skillswarm.node.rl.orchestrator import Orchestrator
+from skillswarm.node.rl.trainer import Trainer, collate, token_logprobs
 from skillswarm.skills.environment import Environment
 from skillswarm.skills.registry import get_skill
+from tests.rl_configs import loss_config, optim_config, rollout_config
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ def engine(nano_model: Path) -> HFEngine:
 @pytest.fixture(scope="module")
 def batch(engine: HFEngine) -> list[Group]:
     """Two real groups of calc episodes (multi-turn: tool tokens inside the sequences)."""
-    orch = Orchestrator(engine, get_skill("calc"), RolloutConfig(group_size=4, groups_per_batch=2, max_new_tokens=24))
+    orch = Orchestrator(engine, get_skill("calc"), rollout_config(group_size=4, batch=2, max_new_tokens=24))
     groups = orch.generate_batch(0).groups
     for g in groups:  # fixed advantages so the test does not depend on what the model scored
         g.advantages = [1.0, -1.0, 0.5, -0.5]
@@ -37,7 +37,7 @@ def batch(engine: HFEngine) -> list[Group]:
 
 def _trainer(nano_model: Path, **optim: object) -> Trainer:
     model, tok = load_model_dir(nano_model)
-    return Trainer(model, tok.pad_token_id, LossConfig(variant="grpo"), OptimConfig(**optim))  # type: ignore[arg-type]
+    return Trainer(model, tok.pad_token_id, loss_config(), optim_config(**optim))
 
 
 def test_masked_tokens_get_zero_gradient(nano_model: Path, batch: list[Group]) -> None:
@@ -121,7 +121,7 @@ def test_env_error_groups_are_dropped_and_counted(engine: HFEngine) -> None:
     calc = get_skill("calc")
     flaky = dataclasses.replace(calc, env=FlakyTool(system_prompt=calc.env.system_prompt, tools=list(calc.env.tools.values()),
                                                     max_turns=4))
-    orch = Orchestrator(engine, flaky, RolloutConfig(group_size=3, groups_per_batch=6, max_new_tokens=24))
+    orch = Orchestrator(engine, flaky, rollout_config(group_size=3, batch=6, max_new_tokens=24))
     groups = orch.generate_batch(1).groups
     odd = [g for g, (t, _) in zip(groups, orch.tasks_for(1)) if t.data["a"] % 2]
     assert odd and all(g.status == "env_error" for g in odd)
@@ -131,7 +131,7 @@ def test_env_error_groups_are_dropped_and_counted(engine: HFEngine) -> None:
 
 
 def test_groups_replay_the_same_tasks_and_seeds(engine: HFEngine) -> None:
-    orch = Orchestrator(engine, get_skill("arith"), RolloutConfig(group_size=2, groups_per_batch=3, seed=5))
+    orch = Orchestrator(engine, get_skill("arith"), rollout_config(group_size=2, batch=3, seed=5))
     assert orch.tasks_for(7) == orch.tasks_for(7) and orch.tasks_for(7) != orch.tasks_for(8)
     a, b = orch.generate_batch(7), orch.generate_batch(7)
     assert [s.token_ids for g in a.groups for s in g.samples] == [s.token_ids for g in b.groups for s in g.samples]
@@ -141,8 +141,8 @@ def test_groups_replay_the_same_tasks_and_seeds(engine: HFEngine) -> None:
 @pytest.mark.parametrize("lora", [False, True])
 def test_kl_to_the_starting_policy(nano_model: Path, batch: list[Group], lora: bool) -> None:
     model, tok = load_model_dir(nano_model)
-    trainer = Trainer(model, tok.pad_token_id, LossConfig(variant="dapo", beta=0.1),
-                      OptimConfig(lr=1e-3 if lora else 1e-4, lora=lora, lora_rank=2))
+    trainer = Trainer(model, tok.pad_token_id, loss_config(loss="dapo", beta=0.1),
+                      optim_config(lr=1e-3 if lora else 1e-4, lora=lora, lora_rank=2))
     first = trainer.step(batch)
     second = trainer.step(batch)
     assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy still is the reference

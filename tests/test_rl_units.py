@@ -11,14 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from skillswarm.node import feed as feed_mod
-from skillswarm.node.feed import Feed, split_groups
-from skillswarm.node.metrics import MetricsLog, read_metrics
-from skillswarm.node.orchestrator import Batch, Group, Sample, make_group
-from skillswarm.node.rollout import Rollout
-from skillswarm.node.runstate import prepare_run_dir
-from skillswarm.node.train import TrainConfig
-from skillswarm.node.trainer import collate
+from skillswarm.node.rl import groups as groups_mod
+from skillswarm.node.rl.config import TrainConfig
+from skillswarm.node.rl.groups import Batch, Feed, Group, Sample, make_group, split_groups
+from skillswarm.node.rl.rollout import Rollout
+from skillswarm.node.rl.rundir import MetricsLog, prepare_run_dir, read_metrics
+from skillswarm.node.rl.trainer import collate
 from skillswarm.protocol.errors import TrainError
 from skillswarm.skills.episode import Episode
 from skillswarm.skills.taskbank import Task
@@ -96,7 +94,7 @@ def test_stale_groups_are_dropped_and_everything_is_counted() -> None:
 
 def test_feed_stops_when_asked_and_gives_up_without_signal(monkeypatch: pytest.MonkeyPatch) -> None:
     assert asyncio.run(Feed(ListSource([]), 2).take(1, 0, should_stop=lambda: True)) is None
-    monkeypatch.setattr(feed_mod, "MAX_BARREN_BATCHES", 3)
+    monkeypatch.setattr(groups_mod, "MAX_BARREN_BATCHES", 3)
     barren = [Batch(i, [_group(0, "zero_variance")], 0) for i in range(5)]
     with pytest.raises(TrainError, match="no group with reward variance"):
         asyncio.run(Feed(ListSource(barren), 2).take(1, 0, should_stop=lambda: False))

@@ -17,7 +17,8 @@ def test_rubric_metrics_reach_eval_metrics_and_trackers(nano_model: Path, tmp_pa
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from skillswarm.node.train import TrainConfig, train
+    from skillswarm.node.rl.config import TrainConfig
+    from skillswarm.node.rl.run import train
 
     shown = json.loads(run_cli("eval", "--skill", "calc", "--model", str(nano_model), "--n", "8", "--json").stdout)
     assert {"exact_answer", "good_call", "tool_calls_made"} <= set(shown["rubric"])  # tool_calls_made: weight 0

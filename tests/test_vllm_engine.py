@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from skillswarm.node.vllm_engine import vllm_available
+from skillswarm.node.rl.engines.vllm import vllm_available
 from tests.conftest import ROOT
 
 
 def test_the_engine_module_does_not_import_vllm() -> None:
-    code = ("import sys; import skillswarm.node.vllm_engine, skillswarm.node.engines, skillswarm.node.train; "
+    code = ("import sys; import skillswarm.node.rl.engines.vllm, skillswarm.node.rl.engines, skillswarm.node.rl.run; "
             "print('vllm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "False"
@@ -22,7 +22,7 @@ def test_the_engine_module_does_not_import_vllm() -> None:
 
 @pytest.mark.skipif(vllm_available() is None, reason="vLLM can run here")
 def test_a_clear_error_where_vllm_cannot_run(tiny_model_dir: Path) -> None:
-    from skillswarm.node.engines import load_engine
+    from skillswarm.node.rl.engines import load_engine
     from skillswarm.protocol.errors import ModelError
 
     with pytest.raises(ModelError, match="cannot start the vllm engine"):

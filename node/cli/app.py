@@ -4,15 +4,28 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.logging import RichHandler
 
-from skillswarm.node.cli import ident, merge_cmd, net
-from skillswarm.node.cli import base_cmd, eval_cmd, skills_cmd
-from skillswarm.node.cli import coordinator_cmd, demo_cmd, net_inspect, node_cmd, pull_cmd  # noqa: F401 (net_inspect adds `net` commands)
-from skillswarm.node.cli import endpoint_cmd, report_cmd, sandbox_cmd, train_cmd
+from skillswarm.node.cli import (  # noqa: F401 (net_inspect adds `net` commands)
+    base_cmd,
+    coordinator_cmd,
+    demo_cmd,
+    endpoint_cmd,
+    eval_cmd,
+    ident,
+    merge_cmd,
+    net,
+    net_inspect,
+    node_cmd,
+    pull_cmd,
+    report_cmd,
+    sandbox_cmd,
+    skills_cmd,
+    train_cmd,
+)
 from skillswarm.node.cli.common import console, err_console, print_error
 from skillswarm.protocol.errors import SkillswarmError
 from skillswarm.protocol.version import PROTOCOL_VERSION, __version__
@@ -69,13 +82,33 @@ def main_options(
     setup_logging(-1 if quiet else verbose)
 
 
+def quiet_flags(command: Any) -> Any:
+    """Draw on/off flags in --help as `--json`, not `--json <bool>` (typer's rich help shows every option's type,
+    which for a flag reads as if it took a value); `command` is typer's click command, walked with its subcommands."""
+    for param in command.params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    help_option = command.get_help_option
+
+    def quiet_help_option(ctx: Any) -> Any:
+        option = help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+    command.get_help_option = quiet_help_option
+    for sub in getattr(command, "commands", {}).values():
+        quiet_flags(sub)
+    return command
+
+
 def main() -> None:
     """Console-script entry point: run the app, turning our errors into clean messages."""
     # Our commands show their own (rich) progress; Hugging Face's tqdm bars (e.g. "Writing model shards"
     # on every save) would only interleave with it. The variable is read when transformers is imported.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
-        app()
+        quiet_flags(typer.main.get_command(app))()
     except SkillswarmError as e:
         print_error(str(e))
         raise SystemExit(1) from None

@@ -8,6 +8,7 @@ import typer
 
 from skillswarm.node.cli.common import JsonOpt, KeyOpt, console, fail, print_json
 from skillswarm.node.cli.swarm_opts import AnnounceOpt, AutoRelayOpt, HostOpt, NetworkOpt, PeersOpt, PortOpt
+from skillswarm.node.rl.config import EVAL_N
 
 app = typer.Typer(help="Run a coordinator node.", no_args_is_help=True)
 
@@ -17,7 +18,7 @@ def run(
     network: NetworkOpt,
     peers: PeersOpt = None,
     rounds: Annotated[Optional[int], typer.Option(help="Stop after this many merges (default: until Ctrl-C).")] = None,
-    eval_n: Annotated[int, typer.Option(help="Held-out episodes per skill when evaluating a merge.")] = 64,
+    eval_n: Annotated[int, typer.Option(help="Held-out episodes per skill when evaluating a merge.", min=1)] = EVAL_N,
     verify: Annotated[bool, typer.Option("--verify", help="Recompute a published merge and report whether its hash matches.")] = False,
     version: Annotated[Optional[int], typer.Option(help="With --verify: the version to check (default: latest).")] = None,
     threads: Annotated[Optional[int], typer.Option(help="CPU threads for merging (default: up to 4).", min=1)] = None,

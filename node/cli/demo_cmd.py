@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
 from skillswarm.node.cli.common import JsonOpt, console, err_console, print_json, table
+from skillswarm.node.demo import DemoConfig
+from skillswarm.node.rl.config import default_of
 from skillswarm.protocol.records import ScreenPolicy
 from skillswarm.skills.nano.recipe import DEFAULT_RECIPE
 
@@ -16,18 +18,24 @@ from skillswarm.skills.nano.recipe import DEFAULT_RECIPE
 DEMO_SKILLS = DEFAULT_RECIPE.skills
 
 
+def _d(name: str) -> Any:
+    """An option's default: DemoConfig's, the one place it is stated."""
+    return default_of(DemoConfig, name)
+
+
 def demo_cmd(
     out: Annotated[Path, typer.Option(help="Where to write report.json, report.png, the final checkpoint and logs.")] = Path("runs/demo"),
     skill: Annotated[Optional[list[str]], typer.Option(help=f"Skills to train (default: {', '.join(DEMO_SKILLS)}).")] = None,
-    rounds: Annotated[int, typer.Option(help="Merge rounds.", min=1)] = 4,
-    minutes_per_round: Annotated[float, typer.Option(help="At most this many training minutes per worker per round (0: no limit).", min=0)] = 2.0,
-    steps_per_round: Annotated[int, typer.Option(help="Optimizer steps per worker per round.", min=1)] = 50,
-    method: Annotated[str, typer.Option(help="Merge method across skills.")] = "task_arithmetic",
-    density: Annotated[float, typer.Option(help="Fraction of each delta kept by ties/dare/breadcrumbs.", min=0.01, max=1.0)] = 0.3,
-    lambda_: Annotated[float, typer.Option("--lambda", help="Scale of the merged task vector.", min=0.01, max=100.0)] = 0.6,
-    compare: Annotated[Optional[list[str]], typer.Option(help="Also re-merge the last round with METHOD or METHOD@LAMBDA and report its retention (default: ties@1 and task_arithmetic@1).")] = None,
+    rounds: Annotated[int, typer.Option(help="Merge rounds.", min=1)] = _d("rounds"),
+    minutes_per_round: Annotated[float, typer.Option(help="At most this many training minutes per worker per round (0: no limit).", min=0)] = _d("minutes_per_round"),
+    steps_per_round: Annotated[int, typer.Option(help="Optimizer steps per worker per round.", min=1)] = _d("steps_per_round"),
+    method: Annotated[str, typer.Option(help="Merge method across skills.")] = _d("method"),
+    density: Annotated[float, typer.Option(help="Fraction of each delta kept by ties/dare/breadcrumbs.", min=0.01, max=1.0)] = _d("density"),
+    lambda_: Annotated[float, typer.Option("--lambda", help="Scale of the merged task vector.", min=0.01, max=100.0)] = _d("scale"),
+    compare: Annotated[Optional[list[str]], typer.Option(help="Also re-merge the last round with METHOD or METHOD@LAMBDA and report its "
+                                                        f"retention (default: {' and '.join(_d('compare'))}).")] = None,
     no_compare: Annotated[bool, typer.Option("--no-compare", help="Skip the re-merge comparison.")] = False,
-    eval_n: Annotated[int, typer.Option(help="Held-out episodes per skill for every accuracy figure.", min=1)] = 100,
+    eval_n: Annotated[int, typer.Option(help="Held-out episodes per skill for every accuracy figure.", min=1)] = _d("eval_n"),
     screen_eval_n: Annotated[int, typer.Option(help="Held-out tasks per skill the coordinator evaluates each delta on "
                                                     "before merging it (the network's usefulness test); 0: off.",
                                                min=0)] = ScreenPolicy().eval_n,
@@ -38,7 +46,7 @@ def demo_cmd(
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from skillswarm.node.cli.base_cmd import build_with_progress
-    from skillswarm.node.demo import DemoConfig, parse_method, run_demo
+    from skillswarm.node.demo import parse_method, run_demo
 
     skills = skill or list(DEMO_SKILLS)
     cfg = DemoConfig(out=out.resolve(), skills=skills, rounds=rounds, steps_per_round=steps_per_round,
@@ -73,8 +81,12 @@ def demo_cmd(
     console.print(table(f"retention of each specialist's gain after {report['rounds']} rounds ({report['method_label']}, "
                         f"n={report['eval_n']} held-out tasks, greedy)",
                         ["skill", "base", "specialist", "merged", "retention"], rows))
+    names = list(report["skills"])
+    rows = [[f"v{r['version']}" + (" (base)" if r["version"] == 0 else ""), *(pct(r["accuracy"].get(k)) for k in names),
+             "" if r["included"] is None else f"{r['included']} / {r['rejected']}"] for r in report["per_round"]]
+    rows.append(["best single-round specialist", *(pct(report["skills"][k]["best_round_specialist"]) for k in names), ""])
+    console.print(table("merged accuracy after each round", ["checkpoint", *names, "deltas merged / rejected"], rows))
     if len(report["methods"]) > 1:
-        names = list(report["skills"])
         rows = [[label, *(_cell(v[k]) for k in names)] for label, v in report["methods"].items()]
         console.print(table("the last round's deltas merged by each method: merged accuracy (retention)",
                             ["method", *names], rows))

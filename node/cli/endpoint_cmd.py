@@ -58,7 +58,7 @@ def serve_cmd(
     if hasattr(service.engine, "model"):  # the hf engine: CPU threads as `eval` sets them
         import torch
 
-        from skillswarm.node.generation import auto_threads
+        from skillswarm.node.rl.engines.hf import auto_threads
 
         torch.set_num_threads(threads or auto_threads(service.engine.model))
 

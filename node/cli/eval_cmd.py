@@ -10,6 +10,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from skillswarm.node.cli.common import JsonOpt, console, err_console, fail, print_json, table
+from skillswarm.node.rl.config import EVAL_N
 
 
 def _default_model() -> Path:
@@ -25,7 +26,7 @@ def _default_model() -> Path:
 def eval_cmd(
     skill: Annotated[str, typer.Option(help="Skill to evaluate (see `skillswarm skills list`).")],
     model: Annotated[Optional[Path], typer.Option(help="Model directory (HF format). Default: the nano base model.")] = None,
-    n: Annotated[int, typer.Option("--n", help="Held-out tasks to run (the first N of the fixed split).", min=1)] = 200,
+    n: Annotated[int, typer.Option("--n", help="Held-out tasks to run (the first N of the fixed split).", min=1)] = EVAL_N,
     temperature: Annotated[float, typer.Option(help="Sampling temperature (0 = greedy).", min=0.0)] = 0.0,
     seed: Annotated[int, typer.Option(help="Seed of the environments and of sampling.")] = 0,
     threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: 1 for small models, else all).", min=1)] = None,
@@ -34,8 +35,8 @@ def eval_cmd(
     """Run a skill's held-out split on a model; print accuracy, mean reward and outcome counts."""
     import torch
 
-    from skillswarm.node.evaluation import evaluate
-    from skillswarm.node.generation import HFEngine, auto_threads
+    from skillswarm.node.rl.engines.hf import HFEngine, auto_threads
+    from skillswarm.node.rl.evaluation import evaluate
     from skillswarm.skills.registry import get_skill
 
     sk = get_skill(skill)

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
 from skillswarm.node.cli.common import KeyOpt, console
 from skillswarm.node.cli.swarm_opts import AnnounceOpt, AutoRelayOpt, HostOpt, NetworkOpt, PeersOpt, PortOpt
+from skillswarm.node.rl.config import TrainConfig, default_of
+
+
+def _d(name: str) -> Any:
+    """An option's default: TrainConfig's, the one place it is stated."""
+    return default_of(TrainConfig, name)
+
 
 app = typer.Typer(help="Run a worker node.", no_args_is_help=True)
 
@@ -23,10 +29,11 @@ def run(
     steps_per_round: Annotated[Optional[int], typer.Option(help="Optimizer steps per round (default: the network's).")] = None,
     minutes_per_round: Annotated[Optional[float], typer.Option(help="Also end each round's training after this many minutes (whichever comes first).", min=0.01)] = None,
     rounds: Annotated[Optional[int], typer.Option(help="Stop after this many rounds (default: run until Ctrl-C).")] = None,
-    group_size: Annotated[Optional[int], typer.Option(help="Episodes per task (GRPO group).")] = None,
-    batch: Annotated[Optional[int], typer.Option(help="Tasks per optimizer step.")] = None,
+    group_size: Annotated[int, typer.Option(help="Episodes per task (GRPO group).", min=2)] = _d("group_size"),
+    batch: Annotated[int, typer.Option(help="Tasks per optimizer step.", min=1)] = _d("batch"),
     threads: Annotated[Optional[int], typer.Option(help="CPU threads for torch (default: chosen by model size).")] = None,
-    eval_n: Annotated[Optional[int], typer.Option(help="Held-out episodes evaluated before and after each round.")] = None,
+    eval_n: Annotated[int, typer.Option(help="Held-out episodes evaluated before and after each round (0: none).",
+                                        min=0)] = _d("eval_n"),
     wait_timeout: Annotated[Optional[float], typer.Option(help="Give up when no new checkpoint comes for this many seconds.")] = None,
     host: HostOpt = "0.0.0.0",
     port: PortOpt = 0,

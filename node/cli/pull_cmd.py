@@ -48,7 +48,7 @@ def pull_cmd(
         if not adapter:
             export(s.store, manifest.version, out)
         else:
-            from skillswarm.node.adapter import export_checkpoint_adapter
+            from skillswarm.node.rl.adapter import export_checkpoint_adapter
 
             if manifest.version == 0:
                 fail("v0 is the base model itself; an adapter on it would be empty (pull a later version)")

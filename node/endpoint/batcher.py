@@ -14,7 +14,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from skillswarm.node.generation import Generation
+from skillswarm.node.rl.engines.base import Generation
 
 log = logging.getLogger(__name__)
 

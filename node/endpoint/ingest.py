@@ -23,7 +23,15 @@ from typing import Any, Callable
 import torch
 
 from skillswarm.node.endpoint.messages import RequestError, to_internal
-from skillswarm.node.endpoint.records import Call, GroupRecord, Segment, Trajectory, check_reward, encode_line, opening_key
+from skillswarm.node.endpoint.records import (
+    Call,
+    GroupRecord,
+    Segment,
+    Trajectory,
+    check_reward,
+    encode_line,
+    opening_key,
+)
 from skillswarm.node.endpoint.store import GROUPS_FILE, append_lines, open_store
 from skillswarm.protocol.errors import SkillswarmError
 from skillswarm.protocol.hashing import weights_hash
@@ -106,7 +114,7 @@ def _parse(number: int, raw: bytes, tokenizer: Any, max_context: int, vocab: int
 
 def _score_logprobs(model: Any, segments: list[Segment], temperature: float) -> None:
     """Behaviour logprobs of the model's tokens under `model` at `temperature` (one sequence at a time)."""
-    from skillswarm.node.trainer import token_logprobs
+    from skillswarm.node.rl.trainer import token_logprobs
 
     with torch.no_grad():
         for seg in segments:
@@ -118,7 +126,7 @@ def _score_logprobs(model: Any, segments: list[Segment], temperature: float) -> 
 def ingest(path: Path, store_dir: Path, model_dir: Path, name: str, temperature: float = 1.0,
            progress: Callable[[int, int], None] | None = None) -> IngestResult:
     """Check every line of `path`, then append its trajectories to the store as closed groups."""
-    from skillswarm.node.generation import load_model_dir
+    from skillswarm.node.rl.engines.hf import load_model_dir
 
     if not 0 < temperature <= 2:
         raise IngestError("temperature must be in (0, 2]: the logprobs are of a sampling distribution")

@@ -19,7 +19,7 @@ from skillswarm.node.endpoint.limits import DEFAULT_HOST, StoreLimits
 from skillswarm.node.endpoint.service import EndpointService
 from skillswarm.node.endpoint.source import StoreSource
 from skillswarm.node.endpoint.store import TrajectoryStore, open_store
-from skillswarm.node.orchestrator import Batch
+from skillswarm.node.rl.groups import Batch
 from skillswarm.skills.skill import Skill
 
 log = logging.getLogger(__name__)
@@ -31,8 +31,8 @@ def trainer_endpoint(model_dir: Path, engine_kind: str, device: str, store_dir: 
                      max_new_tokens: int, skill: Skill | None = None) -> tuple[EndpointService, Publish]:
     """An endpoint on its own engine copy of `model_dir`, recording into `store_dir` under `name`; the
     returned publish function hands it new weights (applied before its next generation batch)."""
-    from skillswarm.node.engines import load_engine
-    from skillswarm.node.generator import Mailbox
+    from skillswarm.node.rl.engines import load_engine
+    from skillswarm.node.rl.sources import Mailbox
     from skillswarm.protocol.hashing import weights_hash
 
     engine = load_engine(engine_kind, model_dir, device=device)

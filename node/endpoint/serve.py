@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from skillswarm.node.endpoint.limits import DEFAULT_HOST, DEFAULT_PORT, StoreLimits
 from skillswarm.node.endpoint.server import create_app
 from skillswarm.node.endpoint.service import EndpointService
-from skillswarm.node.endpoint.limits import DEFAULT_HOST, DEFAULT_PORT, StoreLimits
 from skillswarm.node.endpoint.store import TrajectoryStore, open_store
 from skillswarm.protocol.errors import NetworkError
 from skillswarm.protocol.hashing import weights_hash
@@ -25,7 +25,7 @@ def build_service(model_dir: Path, store_dir: Path, *, name: str | None = None, 
                   max_batch: int = 64, model_name: str | None = None, max_new_tokens: int | None = None) -> EndpointService:
     """An endpoint service on the model in `model_dir`, recording into `store_dir` under `name`
     (default: the skill's name, else "default")."""
-    from skillswarm.node.engines import check_engine, load_engine
+    from skillswarm.node.rl.engines import check_engine, load_engine
     from skillswarm.skills.registry import get_skill
 
     check_engine(engine)

@@ -21,10 +21,10 @@ from typing import Any, Mapping
 from urllib.parse import parse_qsl
 
 from skillswarm.node.endpoint.batcher import GenerationQueue
-from skillswarm.node.endpoint.messages import (RequestError, assistant_text, offered_tools, to_internal, tool_calls_of)
+from skillswarm.node.endpoint.messages import RequestError, assistant_text, offered_tools, to_internal, tool_calls_of
 from skillswarm.node.endpoint.records import Call, Segment, Trajectory
 from skillswarm.node.endpoint.store import TrajectoryStore
-from skillswarm.node.orchestrator import RolloutConfig
+from skillswarm.node.rl.config import TrainConfig, default_of
 from skillswarm.skills.chat import encode, render, suffix
 from skillswarm.skills.environment import EpisodeState
 from skillswarm.skills.episode import Message
@@ -33,7 +33,7 @@ from skillswarm.skills.taskbank import Task
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_NEW_TOKENS = RolloutConfig.max_new_tokens
+DEFAULT_MAX_NEW_TOKENS = default_of(TrainConfig, "max_new_tokens")
 MAX_N = 64
 MAX_ISSUED_TASKS = 10_000
 MAX_SEGMENTS, MAX_CALLS = 64, 1024  # per trajectory: a client rewriting history forever is refused, not stored

@@ -1,6 +1,6 @@
 """Recorded, scored trajectories as a training source: `groups.jsonl` of a store, in batches of groups.
 
-The trainer takes them exactly as it takes its own rollouts (`skillswarm.node.feed`): each trajectory
+The trainer takes them exactly as it takes its own rollouts (`skillswarm.node.rl.groups`): each trajectory
 segment is a sample with its recorded token ids, loss mask and sampling logprobs; the group's policy
 version is the oldest that wrote any of its tokens, so staleness and the importance-sampling
 correction work as for internal rollouts. Batch k is groups [k*B, (k+1)*B) of the file, so a resumed
@@ -22,9 +22,9 @@ import torch
 
 from skillswarm.node.endpoint.records import GroupRecord, decode_group
 from skillswarm.node.endpoint.store import GROUPS_FILE
-from skillswarm.node.feed import SourceDrained
-from skillswarm.node.grpo import Variant, group_advantages, has_signal
-from skillswarm.node.orchestrator import Batch, Group, Sample
+from skillswarm.node.rl.config import Variant
+from skillswarm.node.rl.groups import Batch, Group, Sample, SourceDrained
+from skillswarm.node.rl.grpo import group_advantages, has_signal
 from skillswarm.protocol.errors import TrainError
 
 log = logging.getLogger(__name__)

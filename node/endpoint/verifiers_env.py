@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import itertools
 import logging
 import random
@@ -30,8 +29,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from skillswarm.node.endpoint.messages import RequestError, normalized
 from skillswarm.node.endpoint.source import StoreSource
 from skillswarm.node.endpoint.store import GROUPS_FILE, FeedbackError, TrajectoryStore
-from skillswarm.node.feed import SourceDrained
-from skillswarm.node.orchestrator import Batch
+from skillswarm.node.endpoint.verifiers_check import (
+    INSTALL_EXTRA,
+    env_id_of,
+    install_hint,
+)
+from skillswarm.node.rl.groups import Batch, SourceDrained
 from skillswarm.protocol.errors import SkillError, TrainError
 
 if TYPE_CHECKING:
@@ -39,44 +42,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-VERIFIERS_PREFIX = "verifiers:"
 SCORED_BY = "verifiers"
-INSTALL_EXTRA = "pip install 'skillswarm[verifiers]'"
 API_KEY_VAR = "SKILLSWARM_ENDPOINT_API_KEY"  # the endpoint is private to the run: no key (verifiers sends "EMPTY")
-
-
-def env_id_of(skill: str) -> str | None:
-    """ENV_ID of `verifiers:ENV_ID`, else None."""
-    return skill[len(VERIFIERS_PREFIX):] if skill.startswith(VERIFIERS_PREFIX) else None
-
-
-def _module_name(env_id: str) -> str:
-    """The module verifiers imports for an environment id (hub ids `owner/name@version` install as `name`)."""
-    return env_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
-
-
-def _install_hint(env_id: str) -> str:
-    return (f"install the environment package first (pip install {_module_name(env_id).replace('_', '-')}, "
-            f"or `prime env install {env_id}` for a hub environment)")
-
-
-def verifiers_problems(skill: str) -> list[str]:
-    """What keeps `--skill verifiers:ENV_ID` from running, found without importing verifiers (for validate)."""
-    env_id = env_id_of(skill)
-    if env_id is None:
-        return []
-    if not env_id.strip():
-        return ["--skill verifiers:ENV_ID needs an environment id"]
-    if importlib.util.find_spec("verifiers") is None:
-        return [f"--skill {skill} needs the verifiers package: {INSTALL_EXTRA} (Python >= 3.11)"]
-    module = _module_name(env_id)
-    try:
-        found = importlib.util.find_spec(module) is not None or \
-            importlib.util.find_spec(f"verifiers.v1.tasksets.{module}") is not None
-    except (ImportError, ValueError):
-        found = False
-    return [] if found else [f"verifiers environment {env_id!r} is not installed (no module {module!r}): "
-                             f"{_install_hint(env_id)}"]
 
 
 def import_verifiers() -> ModuleType:
@@ -103,7 +70,7 @@ def load_environment(env_id: str) -> Any:
         config = vf.resolve_env_config({"taskset": {"id": env_id}, **seats})
         return vf.load_environment(config)
     except ModuleNotFoundError as e:
-        raise SkillError(f"verifiers environment {env_id!r} is not installed ({e}); {_install_hint(env_id)}") from None
+        raise SkillError(f"verifiers environment {env_id!r} is not installed ({e}); {install_hint(env_id)}") from None
     except (TypeError, ValueError, AttributeError) as e:
         raise SkillError(f"cannot load verifiers environment {env_id!r}: {e}") from None
 

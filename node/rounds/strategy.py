@@ -43,8 +43,8 @@ def default_steps() -> list[Step]:
 
 def evaluate_all(model_dir: Path, skills: list[str], n: int) -> dict[str, SkillMetrics]:
     """Held-out accuracy and mean reward of every skill on one checkpoint (greedy, the fixed eval split)."""
-    from skillswarm.node.evaluation import evaluate
-    from skillswarm.node.generation import HFEngine
+    from skillswarm.node.rl.engines.hf import HFEngine
+    from skillswarm.node.rl.evaluation import evaluate
 
     engine = HFEngine.load(model_dir)
     out = {}

@@ -64,7 +64,7 @@ class Paired:
 
 
 def _scores(engine, skill: str, n: int, seed: int) -> list[tuple[float, bool]]:
-    from skillswarm.node.evaluation import evaluate
+    from skillswarm.node.rl.evaluation import evaluate
 
     result = evaluate(engine, skill, n=n, task_seed=seed)
     return [(r.reward, bool(r.episode.correct)) for r in result.rollouts]
@@ -83,7 +83,7 @@ class Usefulness:
         import torch
 
         from skillswarm.merge.deltas import DeltaFile
-        from skillswarm.node.generation import HFEngine
+        from skillswarm.node.rl.engines.hf import HFEngine
 
         alpha = 1.0 - policy.confidence
         engine = HFEngine.load(ctx.base_dir)

@@ -6,13 +6,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Protocol
 
 from skillswarm.protocol.errors import SkillswarmError
 from skillswarm.protocol.records import Record
 
-if TYPE_CHECKING:
-    from skillswarm.protocol.transport.dht import SwarmDHT
+
+class Storer(Protocol):
+    """What the republisher needs of a DHT handle (SwarmDHT): storing one record with a time to live."""
+
+    def put(self, record: Record, ttl: float, **kwargs: Any) -> Any: ...
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +24,7 @@ class Republisher(threading.Thread):
     """Re-stores kept records and heartbeats in the background, each item on its own interval; one
     failed round is logged and retried on the next."""
 
-    def __init__(self, dht: SwarmDHT) -> None:
+    def __init__(self, dht: Storer) -> None:
         super().__init__(name="skillswarm-republish", daemon=True)
         self._dht = dht
         self._items: dict[tuple, tuple[Callable[[], list[Record]], float, float, float]] = {}
