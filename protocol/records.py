@@ -204,7 +204,9 @@ class TrustPolicy(_Part, kw_only=True):
 class ScreenPolicy(_Part, kw_only=True):
     """What a delta must show before it enters a merge (besides being well-formed and finite)."""
 
-    eval_n: Annotated[int, Meta(ge=0, le=100_000)] = 128  # held-out tasks per skill per candidate; 0: no eval check
+    # Held-out tasks per skill per candidate (0: no eval check). 300, not 128: at 128 a real 3-5 point gain was
+    # often "not significant" and an honest delta lost (the demo lost sort's last three rounds that way).
+    eval_n: Annotated[int, Meta(ge=0, le=100_000)] = 300
     confidence: Annotated[float, Meta(ge=0.5, lt=1.0)] = 0.9  # one-sided: it improves its own skill
     max_other_drop: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.15  # the most it may cost another skill (honest
     # single-round deltas of the nano demo cost calc up to 12 points, measured by bench/poison.py)

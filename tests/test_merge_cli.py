@@ -63,7 +63,7 @@ def test_merge_delta_run_apply_and_analyze(models: dict[str, Path], tmp_path: Pa
     for k in base:
         assert torch.equal(got[k], base[k] + merge("ties", [a[k] - base[k], b[k] - base[k]], density=0.5))
     same = json.loads(cli("merge", "run", "--base", str(models["base"]), "--model", str(models["ft1"]), "--model",
-                              str(models["ft2"]), "--density", "0.5", "--out", str(tmp_path / "merged2"),
+                              str(models["ft2"]), "--method", "ties", "--density", "0.5", "--out", str(tmp_path / "merged2"),
                               "--json"))
     assert same["weights_hash"] == out["weights_hash"]
     applied = json.loads(cli("merge", "apply", "--base", str(models["base"]), "--delta", str(tmp_path / "m.safetensors"),

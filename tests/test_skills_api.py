@@ -191,6 +191,21 @@ def test_task_banks_are_deterministic_and_disjoint(name: str) -> None:
     assert not train_ids & {t.id for t in held_out}
 
 
+def test_arith_trains_on_the_distribution_it_is_evaluated_on() -> None:
+    """The held-out split is a list of distinct tasks, so it is as good as uniform over the task space; training
+    must sample that distribution (arith v1 drew digit counts first: 75% of its training tasks had a one-digit
+    operand against 29% of the split, and RL gained half as much on the tasks that count)."""
+    import re
+
+    bank = get_skill("arith").tasks
+
+    def one_digit_share(tasks: list) -> float:
+        return sum(any(len(x) == 1 for x in re.split(r"[+-]", t.prompt)) for t in tasks) / len(tasks)
+
+    train, held_out = one_digit_share(bank.train_tasks(4000, seed=0)), one_digit_share(bank.eval_tasks(1000))
+    assert abs(train - 0.19) < 0.03 and abs(held_out - train) < 0.04, (train, held_out)  # 1 - 0.9**2 = 0.19
+
+
 @pytest.mark.parametrize("name", sorted(BUILTINS))
 def test_builtin_reference_players_solve_their_tasks(name: str) -> None:
     skill = get_skill(name)

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from skillswarm.node.cli.common import JsonOpt, console, err_console, fail, print_json, table
-from skillswarm.protocol.records import CODECS, MERGE_METHODS
+from skillswarm.protocol.records import CODECS, MERGE_METHODS, MergePolicy
 
 app = typer.Typer(help="Merge models and deltas, make and apply deltas, analyze them.", no_args_is_help=True)
 
@@ -65,7 +65,7 @@ def run(
     model: Annotated[Optional[list[Path]], typer.Option(help="A fine-tuned model directory; repeat for each.")] = None,
     weight: Annotated[Optional[list[float]], typer.Option(help="Weight of each input, in order (default 1).")] = None,
     method: Annotated[str, typer.Option(help=f"Merge method: {', '.join(MERGE_METHODS)}; also breadcrumbs_ties, "
-                                        "della, della_linear, slerp (t 0.5; use a recipe for t), model_stock.")] = "ties",
+                                        "della, della_linear, slerp (t 0.5; use a recipe for t), model_stock.")] = MergePolicy().method,
     density: Annotated[Optional[float], typer.Option(help="Fraction kept by ties/dare/breadcrumbs (default 0.2).")] = None,
     scale: Annotated[Optional[float], typer.Option("--lambda", help="Scale of the merged task vector (default 1).")] = None,
     gamma: Annotated[Optional[float], typer.Option(help="breadcrumbs: fraction of largest entries dropped.")] = None,
