@@ -18,7 +18,6 @@ version is published as it was signed, so a version is never merged or published
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import shutil
 import threading
@@ -35,7 +34,7 @@ from skillswarm.node.pull import find_checkpoint, local_base, pull, share
 from skillswarm.node.rl.config import EVAL_N
 from skillswarm.node.rounds import Candidate, RoundContext, RoundStrategy, evaluate_all
 from skillswarm.node.rounds.context import clean_figures
-from skillswarm.node.store import CheckpointStore, checkpoint_files, with_trees
+from skillswarm.node.store import CheckpointStore, checkpoint_files, link_or_copy, with_trees
 from skillswarm.protocol.codec import encode_record
 from skillswarm.protocol.errors import RecordError, SkillswarmError, SpecError
 from skillswarm.protocol.hashing import weights_hash
@@ -283,11 +282,7 @@ class Coordinator:
             out = staging / "ckpt"
             out.mkdir()
             for f in current.files:
-                src, dst = self.store.path(current.version) / f.path, out / f.path
-                try:
-                    os.link(src, dst)
-                except OSError:
-                    shutil.copyfile(src, dst)
+                link_or_copy(self.store.path(current.version) / f.path, out / f.path)
             manifest = fit_manifest(CheckpointManifest(
                 network=self.spec.network, version=current.version + 1, parent_version=current.version,
                 parent_hash=current.weights_hash, weights_hash=current.weights_hash,

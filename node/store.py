@@ -12,19 +12,27 @@ from pathlib import Path
 import msgspec
 
 from skillswarm.protocol.atomic import atomic_write_bytes
-from skillswarm.protocol.transport.blobs import BlobStore
-from skillswarm.protocol.transport.pieces import file_pieces, tree_hash
 from skillswarm.protocol.codec import decode_record, encode_record
 from skillswarm.protocol.errors import HashMismatchError, RecordError
 from skillswarm.protocol.hashing import sha256_file, weights_hash
 from skillswarm.protocol.paths import cache_dir
 from skillswarm.protocol.records import CheckpointManifest, FileEntry
+from skillswarm.protocol.transport.blobs import BlobStore
+from skillswarm.protocol.transport.pieces import file_pieces, tree_hash
 
 log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.msgpack"
 # Files of a base model that a checkpoint carries (weights in other formats and hidden files are left out).
 _SKIP_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".lock")
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """`dst` as a hard link to `src` (no bytes copied), or a copy where the file system cannot link."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
 
 
 def checkpoint_files(model_dir: Path) -> list[FileEntry]:
@@ -111,11 +119,7 @@ class CheckpointStore:
         built = self.staging()
         try:
             for f in manifest.files:
-                src = blobs.path(f.sha256)
-                try:
-                    os.link(src, built / f.path)
-                except OSError:
-                    shutil.copyfile(src, built / f.path)
+                link_or_copy(blobs.path(f.sha256), built / f.path)
             return self.commit(manifest, built)
         except BaseException:
             shutil.rmtree(built, ignore_errors=True)

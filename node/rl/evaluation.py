@@ -11,15 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from skillswarm.node.rl.config import EVAL_N, TrainConfig, default_of
+from skillswarm.node.rl.config import EVAL_N
 from skillswarm.node.rl.engines.base import InferenceEngine
 from skillswarm.node.rl.engines.hf import HFEngine
-from skillswarm.node.rl.rollout import Rollout, run_episodes
+from skillswarm.node.rl.rollout import MAX_NEW_TOKENS, MAX_TOKENS, Rollout, run_episodes
 from skillswarm.skills.episode import OUTCOMES
 from skillswarm.skills.registry import get_skill
 from skillswarm.skills.skill import Skill
-
-MAX_NEW_TOKENS, MAX_TOKENS = default_of(TrainConfig, "max_new_tokens"), default_of(TrainConfig, "max_tokens")
 
 
 @dataclass

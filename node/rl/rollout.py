@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from skillswarm.node.rl.config import TrainConfig, default_of
 from skillswarm.node.rl.engines.base import InferenceEngine
 from skillswarm.skills.chat import encode, render, suffix
 from skillswarm.skills.environment import EpisodeState
@@ -25,6 +26,10 @@ from skillswarm.skills.taskbank import Task
 
 log = logging.getLogger(__name__)
 
+
+# A run's defaults (TrainConfig), for callers that play episodes outside a run (evaluation, tests).
+TEMPERATURE, MAX_NEW_TOKENS, MAX_TOKENS = (default_of(TrainConfig, name)
+                                           for name in ("temperature", "max_new_tokens", "max_tokens"))
 
 @dataclass
 class Rollout:
@@ -128,7 +133,7 @@ def _broken(live: _Live, e: Exception) -> None:
 
 
 def run_episodes(engine: InferenceEngine, skill: Skill, tasks: Sequence[Task], seeds: Sequence[int] | int = 0, *,
-                 temperature: float = 1.0, max_new_tokens: int = 64, max_tokens: int = 512,
+                 temperature: float = TEMPERATURE, max_new_tokens: int = MAX_NEW_TOKENS, max_tokens: int = MAX_TOKENS,
                  sample_seed: int | None = None, on_done: Callable[[Rollout], None] | None = None) -> list[Rollout]:
     """Play one episode per task (env seed from `seeds`: one per task, or a base added to the index).
 
