@@ -39,6 +39,12 @@ class TaskBank:
         """A random task; may be train or eval (the base class filters). Must use only `rng`."""
         raise NotImplementedError
 
+    def stratum(self, task: Task) -> str:
+        """The task's kind, where a skill mixes kinds of unequal difficulty (calc: with or without a third
+        number). The nano warm-up stops a skill only once it solves some of every kind, since RL learns
+        nothing on a kind the model never solves. Default: one kind."""
+        return ""
+
     def check(self, task: Task, answer: str | None) -> bool:
         """Whether `answer` solves `task` (default: exact match after stripping whitespace)."""
         return answer is not None and answer.strip() == task.answer

@@ -15,6 +15,7 @@ from skillswarm.skills.episode import Message
 from skillswarm.skills.nano.build import build_base, build_info, cached_path
 from skillswarm.skills.nano.recipe import DEFAULT_RECIPE, NanoRecipe
 from skillswarm.skills.nano.tokenizer import CHARS, build_tokenizer
+from skillswarm.skills.nano.warmup import by_stratum, keeps_training
 from skillswarm.skills.registry import get_skill
 from skillswarm.skills.toolcall import PROTOCOL_TOKENS
 from tests.conftest import run_cli
@@ -116,3 +117,27 @@ def test_base_build_cli(tmp_path: Path) -> None:
     (taken / "x").write_text("x")
     proc = run_cli("base", "build", "--out", str(taken), "--steps", "2", check=False)
     assert proc.returncode == 1 and "not a nano model build" in proc.stderr
+
+
+def test_warm_up_pauses_a_skill_only_when_every_kind_of_task_is_solved_at_the_floor() -> None:
+    r = DEFAULT_RECIPE  # target 0.3, floor 0.15
+    assert not keeps_training(True, 0.35, {"": 0.35}, r)  # one kind: the target alone decides
+    # calc at 30% by solving its a*b tasks only: it trains on (RL could never learn the tails)
+    assert keeps_training(True, 0.31, {"a*b": 0.95, "a*b+c": 0.0, "a*b-c": 0.05}, r)
+    assert not keeps_training(True, 0.4, {"a*b": 0.9, "a*b+c": 0.15, "a*b-c": 0.2}, r)
+    assert not keeps_training(False, 0.2, {"a*b": 0.5, "a*b+c": 0.05, "a*b-c": 0.1}, r)  # paused: within the band
+    assert keeps_training(False, 0.2, {"a*b": 0.6, "a*b+c": 0.0, "a*b-c": 0.1}, r)  # forgot a kind entirely
+    assert keeps_training(False, 0.1, {"": 0.1}, r)
+
+
+def test_by_stratum_and_calc_kinds() -> None:
+    import torch
+
+    calc = get_skill("calc")
+    tasks = calc.tasks.train_tasks(200, seed=0)
+    kinds = [calc.tasks.stratum(t) for t in tasks]
+    assert set(kinds) == {"a*b", "a*b+c", "a*b-c"}
+    assert all((k == "a*b") == (not t.data["tail"]) and (k[-2:-1] in "+-" or k == "a*b") for k, t in zip(kinds, tasks))
+    assert get_skill("arith").tasks.stratum(tasks[0]) == ""  # the default: one kind
+    rows = torch.tensor([True, False, True, True])
+    assert by_stratum(rows, ["x", "x", "y", "y"]) == {"x": 0.5, "y": 1.0}

@@ -89,7 +89,9 @@ def build(
     result = {"path": str(path), "cached": cached, "seconds": round(time.monotonic() - start, 2),
               "skills": list(recipe.skills), **({"plugins": plugins} if plugins else {}),
               **{k: info[k] for k in ("recipe_hash", "weights_hash", "parameters", "steps", "final_loss",
-                                      "validation_accuracy", "build_seconds")}}
+                                      "validation_accuracy", "build_seconds")},
+              # by kind of task, for skills with more than one (absent from builds made before kinds existed)
+              **({"validation_by_kind": info["validation_by_kind"]} if info.get("validation_by_kind") else {})}
     if json_out:
         print_json(result)
         return

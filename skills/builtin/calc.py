@@ -32,6 +32,11 @@ class CalcTasks(TaskBank):
             expr, value = f"{expr}{tail}{c}", value + c if tail == "+" else value - c
         return Task(id=f"calc:{expr}", prompt=expr, answer=str(value), data={"a": a, "b": b, "tail": expr[len(f"{a}*{b}"):]})
 
+    def stratum(self, task: Task) -> str:
+        """a*b, a*b+c or a*b-c: the tails need c copied from the prompt into the second call, which a model
+        can fail at entirely while it solves every a*b."""
+        return "a*b" + (task.data["tail"][:1] + "c" if task.data["tail"] else "")
+
 
 def good_call(turn: Turn) -> float:
     """Per turn: 1 when the turn made well-formed calls that all returned a result."""

@@ -11,7 +11,7 @@ from skillswarm.protocol.hashing import sha256_bytes
 from skillswarm.skills.skill import Skill
 
 # Bump when the build code changes what a recipe produces (tokenizer, data rendering, training loop).
-RECIPE_VERSION = 6
+RECIPE_VERSION = 7
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,11 @@ Deliberately partial: the model should be partly competent on every skill, so th
 improve it. Tiny models learn these skills in sudden jumps, at different times, so a fixed step count
 would leave one skill at 0% and another at 95%. Instead a controller watches each skill's accuracy on a
 validation set drawn from the *train* split (held out from the warm-up data; the eval split is never
-seen) and stops training a skill once it reaches `target_accuracy`, resuming it if it falls below
-`floor_accuracy`; the warm-up ends when every skill is paused, or after `steps`. Accuracy is measured
+seen) and stops training a skill once it reaches `target_accuracy` with every kind of its tasks
+(`TaskBank.stratum`) at `floor_accuracy` or above, resuming it if it falls below `floor_accuracy` or
+stops solving some kind at all; the warm-up ends when every skill is paused, or after `steps`. (Without
+the per-kind check, calc paused at 30% by solving 90% of its a*b tasks and none with a third number: RL
+cannot learn a kind the model never solves, so calc stalled there.) Accuracy is measured
 teacher-forced: a demonstration counts as solved when the model's argmax is right at every one of its
 tokens, which is exactly when greedy decoding would replay it (the environments are deterministic).
 
@@ -100,12 +103,23 @@ def _unknown_chars(tokenizer: Any, messages: list[Message]) -> str:
     return " ".join(repr(c) for c in chars if tokenizer.convert_tokens_to_ids(c) == tokenizer.unk_token_id) or "?"
 
 
-def solved(model: torch.nn.Module, data: dict[str, torch.Tensor]) -> float:
-    """Share of demonstrations whose every model token is the model's argmax (= greedy replays them)."""
+def solved_rows(model: torch.nn.Module, data: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per demonstration, whether its every model token is the model's argmax (= greedy replays it)."""
     with torch.no_grad():
         pred = model(input_ids=data["input_ids"], attention_mask=data["attention_mask"]).logits[:, :-1].argmax(-1)
     labels = data["labels"][:, 1:]
-    return ((pred == labels) | (labels == -100)).all(-1).float().mean().item()
+    return ((pred == labels) | (labels == -100)).all(-1)
+
+
+def solved(model: torch.nn.Module, data: dict[str, torch.Tensor]) -> float:
+    """Share of demonstrations the model replays greedily."""
+    return solved_rows(model, data).float().mean().item()
+
+
+def by_stratum(rows: torch.Tensor, strata: list[str]) -> dict[str, float]:
+    """The solved share of each kind of task, from per-demonstration results and each one's kind."""
+    kinds = sorted(set(strata))
+    return {k: rows[[i for i, s in enumerate(strata) if s == k]].float().mean().item() for k in kinds}
 
 
 def lr_at(step: int, recipe: NanoRecipe) -> float:
@@ -122,6 +136,15 @@ def rows_per_skill(recipe: NanoRecipe) -> list[int]:
     return [max(1, round(recipe.batch_size * w / total)) for w in recipe.weights]
 
 
+def keeps_training(active: bool, accuracy: float, strata: dict[str, float], recipe: NanoRecipe) -> bool:
+    """Whether a skill trains on: an active one until it reaches the target with every kind of task at the
+    floor or above; a paused one again once it falls below the floor or solves none of some kind."""
+    weakest = min(strata.values(), default=accuracy)
+    if active:
+        return not (accuracy >= recipe.target_accuracy and weakest >= recipe.floor_accuracy)
+    return accuracy < recipe.floor_accuracy or weakest == 0.0
+
+
 class _SkillData:
     """One skill's validation set (train split, fixed) and its training stream (never the validation tasks):
     drawn from the task bank, or, for skills in `recipe.pooled`, epoch by epoch from a fixed pool played up
@@ -132,6 +155,7 @@ class _SkillData:
         self.played: dict[str, list[Message]] = {}
         val_tasks = skill.tasks.train_tasks(recipe.val_tasks, seed=rng.randrange(2**31))
         self.val_ids = {t.id for t in val_tasks}
+        self.val_strata = [skill.tasks.stratum(t) for t in val_tasks]
         self.pool: list[Task] = []
         self.cursor = 0
         if skill.name in recipe.pooled:
@@ -147,6 +171,15 @@ class _SkillData:
             raise SkillError(f"a {skill.name} episode takes {self.val['input_ids'].shape[1]} tokens, over the nano "
                              f"model's {recipe.max_positions} positions: shorten its system prompt, tasks or turns")
         self.active = True
+        self.strata: dict[str, float] = {}
+
+    def check(self, model: torch.nn.Module, recipe: NanoRecipe) -> float:
+        """Measure validation accuracy (overall and per kind) and pause or resume the skill by it."""
+        rows = solved_rows(model, self.val)
+        accuracy = rows.float().mean().item()
+        self.strata = by_stratum(rows, self.val_strata)
+        self.active = keeps_training(self.active, accuracy, self.strata, recipe)
+        return accuracy
 
     def sample(self, n: int) -> dict[str, torch.Tensor]:
         tasks: list[Task] = []
@@ -198,11 +231,7 @@ def warm_up(model: torch.nn.Module, tokenizer: Any, skills: list[Skill], recipe:
         if step % recipe.check_every == 0 or step == recipe.steps:
             model.eval()
             for d in data:
-                accuracy[d.skill.name] = solved(model, d.val)
-                if d.active and accuracy[d.skill.name] >= recipe.target_accuracy:
-                    d.active = False
-                elif not d.active and accuracy[d.skill.name] < recipe.floor_accuracy:
-                    d.active = True
+                accuracy[d.skill.name] = d.check(model, recipe)
             model.train()
             log.debug("warm-up step %d: loss %.4f, accuracy %s", step, loss_value, accuracy)
         if progress is not None:
@@ -210,4 +239,6 @@ def warm_up(model: torch.nn.Module, tokenizer: Any, skills: list[Skill], recipe:
     model.eval()
     if progress is not None:
         progress(recipe.steps, recipe.steps, {"loss": loss_value, **accuracy})
-    return {"steps": step, "final_loss": round(loss_value, 5), "validation_accuracy": accuracy}
+    strata = {d.skill.name: {k: round(v, 4) for k, v in d.strata.items()} for d in data if len(d.strata) > 1}
+    return {"steps": step, "final_loss": round(loss_value, 5), "validation_accuracy": accuracy,
+            "validation_by_kind": strata}
