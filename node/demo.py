@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+from skillswarm.node.retention import LEVEL, retention, retention_intervals
 from skillswarm.node.rl.config import EVAL_N
+from skillswarm.node.store import network_dir, round_dir
 from skillswarm.protocol.atomic import atomic_write_text
 from skillswarm.protocol.errors import SkillswarmError
 from skillswarm.protocol.hashing import weights_hash
@@ -221,8 +223,12 @@ def run_demo(cfg: DemoConfig, base: Path, on_status: Callable[[DemoStatus], None
                 s.stop(name)
         s.stop("coordinator")
         s.stop("bootstrap")
+        status.phase = "intervals"
+        notify(status)
+        intervals = retention_intervals(base, {k: specialist_dir(s.home(f"worker-{k}"), k, final.version - 1)
+                                               for k in cfg.skills}, cfg.out / "final", cfg.eval_n)
     report = make_report(cfg, final, [h for h in history if h is not None], deltas, time.monotonic() - t0,
-                         alternatives)
+                         alternatives, intervals)
     atomic_write_text(cfg.out / "report.json", json.dumps(report, indent=2, sort_keys=True) + "\n")
     plot_report(report, cfg.out / "report.png")
     status.phase = "done"
@@ -274,17 +280,18 @@ def compare_methods(obs, spec: NetworkSpec, final: CheckpointManifest, cfg: Demo
     return out
 
 
-def _retention(base: float | None, specialist: float | None, merged: float | None) -> float | None:
-    if None in (base, specialist, merged) or specialist <= base:  # type: ignore[operator]
-        return None
-    return round((merged - base) / (specialist - base), 4)  # type: ignore[operator]
+def specialist_dir(home: Path, skill: str, version: int) -> Path:
+    """The model a demo worker (whose SKILLSWARM_HOME is `home`) trained on checkpoint `version`."""
+    return round_dir(network_dir(NETWORK, home), skill, version) / "model"
 
 
 def make_report(cfg: DemoConfig, final: CheckpointManifest, history: list[CheckpointManifest],
                 deltas: dict[int, list[DeltaManifest]], seconds: float,
-                alternatives: dict[str, dict[str, float]] | None = None) -> dict:
+                alternatives: dict[str, dict[str, float]] | None = None,
+                intervals: dict[str, dict[str, float | None]] | None = None) -> dict:
     """report.json: per skill base / specialist / merged accuracy and retention, plus the run's history;
-    `methods` holds the same figures for the final round re-merged with other methods."""
+    `methods` holds the same figures for the final round re-merged with other methods; `retention_interval`
+    the sampling interval of each retention (`intervals`: `retention_intervals`' figures, re-measured)."""
     skills = {}
     last = final.version - 1
     for skill in cfg.skills:
@@ -298,18 +305,19 @@ def make_report(cfg: DemoConfig, final: CheckpointManifest, history: list[Checkp
                        and d.stats.accuracy_after is not None), default=None) for v in range(final.version)]
         best = max((a for a in rounds if a is not None), default=None)
         skills[skill] = {"base": base, "specialist": specialist, "merged": merged,
-                         "retention": _retention(base, specialist, merged),
+                         "retention": retention(base, specialist, merged),
                          "round_specialists": rounds, "best_round_specialist": best,
-                         "first_round_specialist": rounds[0] if rounds else None}
+                         "first_round_specialist": rounds[0] if rounds else None,
+                         "retention_interval": _interval((intervals or {}).get(skill))}
     run_label = method_label(MergePolicy(method=cfg.method, density=cfg.density, scale=cfg.scale))  # type: ignore[arg-type]
     methods = {run_label: {k: {"merged": v["merged"], "retention": v["retention"]} for k, v in skills.items()}}
     for label, accuracy in (alternatives or {}).items():
-        methods[label] = {k: {"merged": accuracy.get(k), "retention": _retention(v["base"], v["specialist"], accuracy.get(k))}
+        methods[label] = {k: {"merged": accuracy.get(k), "retention": retention(v["base"], v["specialist"], accuracy.get(k))}
                           for k, v in skills.items()}
     return {
         "skills": skills, "method": cfg.method, "method_label": run_label, "methods": methods,
         "rounds": final.version, "steps_per_round": cfg.steps_per_round, "minutes_per_round": cfg.minutes_per_round,
-        "eval_n": cfg.eval_n, "seconds": round(seconds, 1), "final_version": final.version,
+        "eval_n": cfg.eval_n, "interval_level": LEVEL, "seconds": round(seconds, 1), "final_version": final.version,
         "weights_hash": final.weights_hash, "checkpoint": str(cfg.out / "final"),
         "history": [{"version": h.version, "included": len(h.included), "rejected": len(h.rejected),
                      "accuracy": {k: m.accuracy for k, m in sorted(h.metrics.items())}} for h in history],
@@ -317,6 +325,12 @@ def make_report(cfg: DemoConfig, final: CheckpointManifest, history: list[Checkp
         "specialists": {str(v): {d.skill: {"before": d.stats.accuracy_before, "after": d.stats.accuracy_after}
                                  for d in ds} for v, ds in sorted(deltas.items())},
     }
+
+
+def _interval(figures: dict[str, float | None] | None) -> list[float] | None:
+    if not figures or figures.get("low") is None or figures.get("high") is None:
+        return None
+    return [figures["low"], figures["high"]]  # type: ignore[list-item]
 
 
 def per_round(skills: dict[str, dict], history: list[CheckpointManifest]) -> list[dict]:

@@ -58,12 +58,22 @@ def with_trees(files: list[FileEntry], model_dir: Path, blobs: BlobStore | None 
     return out
 
 
+def network_dir(network: str, home: Path | None = None) -> Path:
+    """Where a node keeps one network's checkpoints and runs (this node's, or that of the node whose home is `home`)."""
+    return cache_dir(home) / "networks" / network
+
+
+def round_dir(network_root: Path, skill: str, version: int) -> Path:
+    """Where a worker trains its round on checkpoint `version` (its trained model is `<dir>/model`)."""
+    return network_root / "runs" / f"{skill}-v{version}"
+
+
 class CheckpointStore:
     """Checkpoints of one network under `root/checkpoints/v{N}/` (HF files + `manifest.msgpack`)."""
 
     def __init__(self, network: str, root: Path | str | None = None) -> None:
         self.network = network
-        self.root = Path(root) if root else cache_dir() / "networks" / network
+        self.root = Path(root) if root else network_dir(network)
         self.dir = self.root / "checkpoints"
         self.dir.mkdir(parents=True, exist_ok=True)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from skillswarm.node.pull import pull, share, wait_for_checkpoint
-from skillswarm.node.store import CheckpointStore
+from skillswarm.node.store import CheckpointStore, round_dir
 from skillswarm.protocol.atomic import atomic_write_text
 from skillswarm.protocol.codec import decode_record, encode_record
 from skillswarm.protocol.errors import RecordError, SpecError
@@ -118,7 +118,7 @@ class Worker:
         from skillswarm.node.rl.run import train
 
         base_dir = self.store.path(current.version)
-        run_dir = self.store.root / "runs" / f"{self.opt.skill}-v{current.version}"
+        run_dir = round_dir(self.store.root, self.opt.skill, current.version)
         steps = self.opt.steps_per_round or self.spec.round.steps_per_round
         self.state = "training"
         settings = {**ROUND_SETTINGS, "seed": self.round_seed(current.version), "max_minutes": self.opt.minutes_per_round,

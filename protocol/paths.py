@@ -21,9 +21,10 @@ def config_dir() -> Path:
     return home / "config" if home else Path(platformdirs.user_config_dir(APP))
 
 
-def cache_dir() -> Path:
-    """Directory for blobs, checkpoints and built base models (safe to delete, refetched on demand)."""
-    home = _home()
+def cache_dir(home: Path | None = None) -> Path:
+    """Directory for blobs, checkpoints and built base models (safe to delete, refetched on demand); with
+    `home`, that of a node whose SKILLSWARM_HOME it is."""
+    home = home or _home()
     return home / "cache" if home else Path(platformdirs.user_cache_dir(APP))
 
 

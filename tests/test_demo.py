@@ -44,9 +44,13 @@ def test_a_short_demo_reports_retention_and_stops_every_process(nano_model: Path
             assert math.isclose(row["retention"], expected, abs_tol=1e-4)
         else:
             assert row["retention"] is None
+        if row["retention_interval"] is not None:  # re-measured task by task on the same models
+            lo, hi = row["retention_interval"]
+            assert lo <= hi
     assert len(report["methods"]) == 2 and "ties(density=0.3, lambda=1)" in report["methods"]
     assert report["history"][0]["included"] == 2  # both skills' deltas went into v1
-    assert phases[-1] == "done" and "comparing" in phases
+    assert phases[-1] == "done" and "comparing" in phases and "intervals" in phases
+    assert report["interval_level"] == 0.9
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -68,7 +68,8 @@ def demo_cmd(
         def show(st) -> None:
             text = {"training": f"round {st.version + 1}/{rounds}: workers training, {st.deltas}/{len(skills)} deltas in",
                     "pulling": "pulling the final checkpoint",
-                    "comparing": "re-merging the last round with other methods", "done": "done"}.get(st.phase, st.phase)
+                    "comparing": "re-merging the last round with other methods",
+                    "intervals": "re-measuring base, specialists and merged model task by task", "done": "done"}.get(st.phase, st.phase)
             bar.update(task, description=text)
 
         report = run_demo(cfg, base, on_status=show)
@@ -77,10 +78,13 @@ def demo_cmd(
         return
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
     rows = [[k, pct(v["base"]), pct(v["specialist"]), pct(v["merged"]),
-             "n/a (no gain)" if v["retention"] is None else f"{100 * v['retention']:.0f}%"] for k, v in report["skills"].items()]
+             "n/a (no gain)" if v["retention"] is None else f"{100 * v['retention']:.0f}%",
+             "-" if not v.get("retention_interval") else "{:.0f}-{:.0f}%".format(*(100 * x for x in v["retention_interval"]))]
+            for k, v in report["skills"].items()]
+    level = f"{100 * report.get('interval_level', 0.9):.0f}% interval"
     console.print(table(f"retention of each specialist's gain after {report['rounds']} rounds ({report['method_label']}, "
-                        f"n={report['eval_n']} held-out tasks, greedy)",
-                        ["skill", "base", "specialist", "merged", "retention"], rows))
+                        f"n={report['eval_n']} held-out tasks, greedy; the interval: paired bootstrap over the tasks)",
+                        ["skill", "base", "specialist", "merged", "retention", level], rows))
     names = list(report["skills"])
     rows = [[f"v{r['version']}" + (" (base)" if r["version"] == 0 else ""), *(pct(r["accuracy"].get(k)) for k in names),
              "" if r["included"] is None else f"{r['included']} / {r['rejected']}"] for r in report["per_round"]]
