@@ -16,7 +16,7 @@ from skillswarm.node.rounds.admission import Admission, Caps
 from skillswarm.node.rounds.inspection import Consensus, Inspect
 from skillswarm.node.rounds.reputation import Reputation, reputations
 from skillswarm.node.rounds.strategy import Weigh
-from skillswarm.node.rounds.usefulness import Paired, sign_test_p
+from skillswarm.node.rounds.usefulness import Paired, _undecided, pocock_level, sign_test_p
 from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.protocol.hashing import weights_hash
 from skillswarm.protocol.identity import Identity
@@ -79,6 +79,26 @@ def test_sign_test_and_paired_comparison_match_hand_computed_values() -> None:
     p = Paired.compare(before, after)
     assert (p.wins, p.losses, p.n, p.accuracy_before, p.accuracy_after) == (2, 1, 4, 0.25, 0.75)
     assert p.gain == 0.5 and p.p_better == 0.5 and p.p_worse == 0.875
+
+
+def test_two_looks_test_at_pococks_nominal_level_and_pool_their_tasks() -> None:
+    from statistics import NormalDist
+
+    # Pocock's boundaries for two looks (Jennison & Turnbull, table 2.1): c = 2.178 at two-sided 0.05, 1.875 at 0.10
+    assert math.isclose(pocock_level(0.025), 1 - NormalDist().cdf(2.178), rel_tol=0.01)
+    assert math.isclose(pocock_level(0.05), 1 - NormalDist().cdf(1.875), rel_tol=0.01)
+    assert 0.06 < pocock_level(0.1) < 0.065 and pocock_level(0.1, looks=1) == 0.1
+    first, second = Paired(20, 10, 100, 0.40, 0.50), Paired(30, 10, 200, 0.30, 0.40)
+    both = first + second
+    assert (both.wins, both.losses, both.n) == (50, 20, 300)
+    assert math.isclose(both.accuracy_before, 1 / 3) and math.isclose(both.accuracy_after, 130 / 300)
+    level = pocock_level(0.1)
+    weak = {"sort": Paired(12, 8, 300, 0.5, 0.513), "arith": Paired(5, 5, 300, 0.4, 0.4)}
+    assert _undecided(weak, "sort", level, 0.1, 0.15)  # ahead, not significantly: look again
+    assert not _undecided({**weak, "sort": Paired(8, 12, 300, 0.5, 0.487)}, "sort", level, 0.1, 0.15)  # behind: no
+    assert not _undecided({**weak, "sort": Paired(40, 10, 300, 0.5, 0.6)}, "sort", level, 0.1, 0.15)  # decided
+    harmful = {**weak, "arith": Paired(0, 60, 300, 0.4, 0.2)}
+    assert not _undecided(harmful, "sort", level, 0.1, 0.15)  # already costs arith 20 points, significantly
 
 
 def test_reputation_counts_inclusions_and_rejections_in_the_window(base: Path) -> None:

@@ -186,6 +186,8 @@ def test_task_banks_are_deterministic_and_disjoint(name: str) -> None:
     assert bank.train_tasks(50, seed=3) != bank.train_tasks(50, seed=4)
     held_out = bank.eval_tasks(100)
     assert bank.eval_tasks(40) == held_out[:40] and len({t.id for t in held_out}) == 100
+    # a seeded list too is a prefix of any longer one: the usefulness test's second look takes the next tasks
+    assert bank.eval_tasks(60, seed=7)[:30] == bank.eval_tasks(30, seed=7) != held_out[:30]
     assert all(bank.is_eval(t) for t in held_out)
     train_ids = {t.id for seed in range(5) for t in bank.train_tasks(400, seed)}
     assert not train_ids & {t.id for t in held_out}

@@ -64,14 +64,15 @@ def summarize(skill: str, rollouts: list[Rollout], seconds: float = 0.0) -> Eval
 
 def evaluate(model: Path | str | InferenceEngine, skill: str | Skill, n: int = EVAL_N, seed: int = 0, *,
              temperature: float = 0.0, max_new_tokens: int = MAX_NEW_TOKENS, max_tokens: int = MAX_TOKENS,
-             on_done: Callable[[Rollout], None] | None = None, task_seed: int | None = None) -> EvalResult:
+             on_done: Callable[[Rollout], None] | None = None, task_seed: int | None = None,
+             offset: int = 0) -> EvalResult:
     """Evaluate a model (directory or engine) on the first `n` held-out tasks of `skill` (or on `n` held-out
-    tasks drawn with `task_seed`)."""
-    if n < 1:
-        raise ValueError("n must be >= 1")
+    tasks drawn with `task_seed`); with `offset`, on the `n` that follow the first `offset` of that list."""
+    if n < 1 or offset < 0:
+        raise ValueError("n must be >= 1 and offset >= 0")
     engine = model if not isinstance(model, (str, Path)) else HFEngine.load(model)
     sk = get_skill(skill) if isinstance(skill, str) else skill
-    tasks = sk.tasks.eval_tasks(n, task_seed)
+    tasks = sk.tasks.eval_tasks(offset + n, task_seed)[offset:]
     start = time.monotonic()
     rollouts = run_episodes(engine, sk, tasks, seed, temperature=temperature, max_new_tokens=max_new_tokens,
                             max_tokens=max_tokens, sample_seed=seed if temperature > 0 else None, on_done=on_done)
