@@ -225,8 +225,12 @@ def run_demo(cfg: DemoConfig, base: Path, on_status: Callable[[DemoStatus], None
         s.stop("bootstrap")
         status.phase = "intervals"
         notify(status)
-        intervals = retention_intervals(base, {k: specialist_dir(s.home(f"worker-{k}"), k, final.version - 1)
-                                               for k in cfg.skills}, cfg.out / "final", cfg.eval_n)
+        trained = {k: specialist_dir(s.home(f"worker-{k}"), k, final.version - 1) for k in cfg.skills}
+        missing = sorted(k for k, path in trained.items() if not path.is_dir())
+        if missing:  # a worker that did not finish the last round itself has no interval
+            log.warning("no last-round model for %s: no retention interval for it", ", ".join(missing))
+        intervals = retention_intervals(base, {k: p for k, p in trained.items() if k not in missing},
+                                        cfg.out / "final", cfg.eval_n)
     report = make_report(cfg, final, [h for h in history if h is not None], deltas, time.monotonic() - t0,
                          alternatives, intervals)
     atomic_write_text(cfg.out / "report.json", json.dumps(report, indent=2, sort_keys=True) + "\n")

@@ -111,11 +111,6 @@ def solved_rows(model: torch.nn.Module, data: dict[str, torch.Tensor]) -> torch.
     return ((pred == labels) | (labels == -100)).all(-1)
 
 
-def solved(model: torch.nn.Module, data: dict[str, torch.Tensor]) -> float:
-    """Share of demonstrations the model replays greedily."""
-    return solved_rows(model, data).float().mean().item()
-
-
 def by_stratum(rows: torch.Tensor, strata: list[str]) -> dict[str, float]:
     """The solved share of each kind of task, from per-demonstration results and each one's kind."""
     kinds = sorted(set(strata))
