@@ -292,10 +292,10 @@ def specialist_dir(home: Path, skill: str, version: int) -> Path:
 def make_report(cfg: DemoConfig, final: CheckpointManifest, history: list[CheckpointManifest],
                 deltas: dict[int, list[DeltaManifest]], seconds: float,
                 alternatives: dict[str, dict[str, float]] | None = None,
-                intervals: dict[str, dict[str, float | None]] | None = None) -> dict:
+                intervals: dict[str, tuple[float, float] | None] | None = None) -> dict:
     """report.json: per skill base / specialist / merged accuracy and retention, plus the run's history;
     `methods` holds the same figures for the final round re-merged with other methods; `retention_interval`
-    the sampling interval of each retention (`intervals`: `retention_intervals`' figures, re-measured)."""
+    the sampling interval of each retention (`intervals`, from `retention_intervals`)."""
     skills = {}
     last = final.version - 1
     for skill in cfg.skills:
@@ -312,7 +312,7 @@ def make_report(cfg: DemoConfig, final: CheckpointManifest, history: list[Checkp
                          "retention": retention(base, specialist, merged),
                          "round_specialists": rounds, "best_round_specialist": best,
                          "first_round_specialist": rounds[0] if rounds else None,
-                         "retention_interval": _interval((intervals or {}).get(skill))}
+                         "retention_interval": list(iv) if (iv := (intervals or {}).get(skill)) else None}
     run_label = method_label(MergePolicy(method=cfg.method, density=cfg.density, scale=cfg.scale))  # type: ignore[arg-type]
     methods = {run_label: {k: {"merged": v["merged"], "retention": v["retention"]} for k, v in skills.items()}}
     for label, accuracy in (alternatives or {}).items():
@@ -329,12 +329,6 @@ def make_report(cfg: DemoConfig, final: CheckpointManifest, history: list[Checkp
         "specialists": {str(v): {d.skill: {"before": d.stats.accuracy_before, "after": d.stats.accuracy_after}
                                  for d in ds} for v, ds in sorted(deltas.items())},
     }
-
-
-def _interval(figures: dict[str, float | None] | None) -> list[float] | None:
-    if not figures or figures.get("low") is None or figures.get("high") is None:
-        return None
-    return [figures["low"], figures["high"]]  # type: ignore[list-item]
 
 
 def per_round(skills: dict[str, dict], history: list[CheckpointManifest]) -> list[dict]:

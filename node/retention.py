@@ -53,16 +53,11 @@ def correct_per_task(model: Any, skill: str, n: int) -> list[bool]:
 
 
 def retention_intervals(base: Path, specialists: dict[str, Path], merged: Path, n: int,
-                        level: float = LEVEL) -> dict[str, dict[str, float | None]]:
-    """Per skill: base, specialist and merged accuracy re-measured task by task, their retention and its interval."""
+                        level: float = LEVEL) -> dict[str, tuple[float, float] | None]:
+    """Per skill, the interval of its retention, from base, specialist and merged model re-measured task by task."""
     from skillswarm.node.rl.engines.hf import HFEngine
 
-    shared = {"base": HFEngine.load(base), "merged": HFEngine.load(merged)}
-    out: dict[str, dict[str, float | None]] = {}
-    for skill, specialist in specialists.items():
-        b, s, m = (correct_per_task(p, skill, n) for p in (shared["base"], specialist, shared["merged"]))
-        interval = retention_interval(b, s, m, level)
-        acc = [sum(x) / n for x in (b, s, m)]
-        out[skill] = {"base": acc[0], "specialist": acc[1], "merged": acc[2], "retention": retention(*acc),
-                      "low": interval[0] if interval else None, "high": interval[1] if interval else None}
-    return out
+    base_engine, merged_engine = HFEngine.load(base), HFEngine.load(merged)  # loaded once for every skill
+    return {skill: retention_interval(*(correct_per_task(m, skill, n) for m in (base_engine, specialist, merged_engine)),
+                                      level=level)
+            for skill, specialist in specialists.items()}

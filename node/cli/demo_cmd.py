@@ -81,7 +81,7 @@ def demo_cmd(
              "n/a (no gain)" if v["retention"] is None else f"{100 * v['retention']:.0f}%",
              "-" if not v.get("retention_interval") else "{:.0f}-{:.0f}%".format(*(100 * x for x in v["retention_interval"]))]
             for k, v in report["skills"].items()]
-    level = f"{100 * report.get('interval_level', 0.9):.0f}% interval"
+    level = f"{100 * report['interval_level']:.0f}% interval"
     console.print(table(f"retention of each specialist's gain after {report['rounds']} rounds ({report['method_label']}, "
                         f"n={report['eval_n']} held-out tasks, greedy; the interval: paired bootstrap over the tasks)",
                         ["skill", "base", "specialist", "merged", "retention", level], rows))

@@ -132,6 +132,12 @@ class Usefulness:
         skills = list(ctx.spec.skills)
         before = {s: _scores(engine, s, policy.eval_n, ctx.eval_seed) for s in skills}
         second: dict[str, list[tuple[float, bool]]] = {}  # the parent on the second look's tasks, when needed
+        second_ok: list[bool] = []  # whether every skill's split has them (asked once a round, when first needed)
+
+        def second_look_possible() -> bool:
+            if not second_ok:
+                second_ok.append(_has_second_look(ctx, policy.eval_n))
+            return second_ok[0]
 
         def measure(look: int, changed: dict[str, torch.Tensor]) -> dict[str, Paired]:
             """The candidate (its tensors `changed`, loaded in the engine) against the parent on look `look`."""
@@ -151,7 +157,7 @@ class Usefulness:
             try:
                 after = measure(0, changed)
                 looks = 1
-                if _undecided(after, c.skill, level, alpha, policy.max_other_drop) and _has_second_look(ctx, policy.eval_n):
+                if _undecided(after, c.skill, level, alpha, policy.max_other_drop) and second_look_possible():
                     after = {s: p + q for (s, p), q in zip(after.items(), measure(1, changed).values())}
                     looks = 2
             finally:
