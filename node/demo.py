@@ -270,7 +270,10 @@ def compare_methods(obs, spec: NetworkSpec, final: CheckpointManifest, cfg: Demo
     from skillswarm.node.coordinator import evaluate_all, merge_inputs
 
     parent_dir, groups = merge_inputs(spec, obs.dht, obs.store, obs.blobs, final)
-    out = {}
+    out: dict[str, dict] = {}
+    if not groups:  # the last round rejected every delta: its checkpoint is its parent, nothing to re-merge
+        log.info("v%d merged no delta: no other method to compare", final.version)
+        return out
     for text in cfg.compare:
         policy = parse_method(text, cfg)
         staging = obs.store.staging()

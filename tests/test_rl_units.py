@@ -145,3 +145,31 @@ def test_metrics_log_survives_a_torn_line_and_truncates_on_resume(tmp_path: Path
     assert [r["step"] for r in records] == [1, 2, 3, 4, 4] and records[1]["reward"] is None
     kept = MetricsLog.truncate(path, 2)
     assert [r["step"] for r in kept] == [1, 2] and [r["step"] for r in read_metrics(path)] == [1, 2]
+
+
+def _write_and_die(q) -> None:  # a generator killed while its queue's feeder thread writes a batch
+    import os as _os
+    import time as _time
+
+    q.put(b"x" * 4_000_000)
+    _time.sleep(0.3)  # the feeder has written the first 64 KiB and waits for a reader
+    _os._exit(0)
+
+
+def test_draining_a_half_written_batch_does_not_hang() -> None:
+    import multiprocessing
+    import time
+
+    from skillswarm.node.rl.sources import drain
+
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_write_and_die, args=(q,), daemon=True)
+    p.start()
+    p.join(30)
+    assert p.exitcode == 0
+    t = time.monotonic()
+    assert drain(q, timeout=1.0) is False  # the rest of the message never comes: the caller is not blocked
+    assert time.monotonic() - t < 10
+    empty = ctx.Queue()
+    assert drain(empty, timeout=1.0) is True

@@ -22,6 +22,7 @@ import os
 import queue as queue_mod
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,7 +185,11 @@ def _generator_main(spec: GeneratorSpec, mailbox: SharedMailbox, out: Any, stop:
             pass
         raise SystemExit(1) from None
     finally:
-        out.cancel_join_thread()  # never block exit on batches nobody reads
+        # A batch still being written into the pipe must be finished before exit (a half-written one would
+        # block the trainer's read for good): exit waits for it, as the trainer drains. Only when the trainer
+        # is gone is there nobody to drain, so then nothing is waited for.
+        if os.getppid() != parent:
+            out.cancel_join_thread()
 
 
 @contextlib.contextmanager
@@ -249,21 +254,35 @@ class ProcessSource:
     def _shutdown(self) -> None:
         if self.process.pid is None:  # never started
             return
-        deadline = 20.0
-        while self.process.is_alive() and deadline > 0:
-            try:  # drain, so a put in progress returns and the process sees `stop`
-                while True:
-                    self.queue.get_nowait()
-            except queue_mod.Empty:
-                pass
+        deadline = time.monotonic() + 20.0
+        while self.process.is_alive() and time.monotonic() < deadline:
+            # drain, so a put in progress returns and the process sees `stop`
+            if not drain(self.queue, timeout=max(0.1, deadline - time.monotonic())):
+                log.warning("a batch from the generator process did not arrive whole")
+                break
             self.process.join(timeout=0.2)
-            deadline -= 0.2
         if self.process.is_alive():
             log.warning("the generator process did not stop in time; terminating it")
             self.process.terminate()
             self.process.join(timeout=5)
         self.queue.cancel_join_thread()
         self.queue.close()
+
+
+def drain(q: Any, timeout: float) -> bool:
+    """Empty a multiprocessing queue; False when a read did not finish within `timeout` (its writer died while
+    writing a message: the reading thread, a daemon, is left blocked on the pipe rather than the caller)."""
+    def run() -> None:
+        try:
+            while True:
+                q.get_nowait()
+        except (queue_mod.Empty, EOFError, OSError):
+            pass
+
+    reader = threading.Thread(target=run, name="skillswarm-drain", daemon=True)
+    reader.start()
+    reader.join(timeout)
+    return not reader.is_alive()
 
 
 def model_threads(model_dir: Path | str, requested: int | None) -> int:
