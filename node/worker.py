@@ -25,7 +25,7 @@ from skillswarm.protocol.hardware import probe_hardware
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, NetworkSpec, SkillStats, TrainStats
 from skillswarm.protocol.transport.blobs import BlobStore
-from skillswarm.skills.registry import check_network
+from skillswarm.skills.registry import check_network, skill_names
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class Worker:
         steps = self.opt.steps_per_round or self.spec.round.steps_per_round
         self.state = "training"
         settings = {**ROUND_SETTINGS, "seed": self.round_seed(current.version), "max_minutes": self.opt.minutes_per_round,
-                    **self.opt.train}
+                    "retain_skills": tuple(k for k in self.spec.skills if k in skill_names()), **self.opt.train}
         cfg = TrainConfig(model_dir=base_dir, skill=self.opt.skill, steps=steps, out_dir=run_dir, lora=self.opt.lora,
                           engine=self.opt.engine, resume=run_dir.exists(),
                           codec="lora" if self.opt.lora else self.spec.codec, **settings)  # LoRA: the PEFT adapter itself

@@ -34,6 +34,8 @@ def run(
     threads: Annotated[Optional[int], typer.Option(help="CPU threads for torch (default: chosen by model size).")] = None,
     eval_n: Annotated[int, typer.Option(help="Held-out episodes evaluated before and after each round (0: none).",
                                         min=0)] = _d("eval_n"),
+    retain: Annotated[float, typer.Option(help="Weight of the KL that keeps the network's other skills where the round "
+                                          "started (0: train the shard alone).", min=0.0)] = _d("retain"),
     wait_timeout: Annotated[Optional[float], typer.Option(help="Give up when no new checkpoint comes for this many seconds.")] = None,
     host: HostOpt = "0.0.0.0",
     port: PortOpt = 0,
@@ -52,8 +54,8 @@ def run(
     from skillswarm.skills.registry import check_network
 
     check_network(load_spec(network), [skill])  # before joining: a wrong plugin version must not start a peer
-    extra = {k: v for k, v in {"group_size": group_size, "batch": batch, "threads": threads,
-                                  "eval_n": eval_n, "report_to": tuple(report_to or ()) or None}.items() if v is not None}
+    extra = {k: v for k, v in {"group_size": group_size, "batch": batch, "threads": threads, "eval_n": eval_n,
+                               "retain": retain, "report_to": tuple(report_to or ()) or None}.items() if v is not None}
     with stop_on_signals() as stop, open_session(network, key=key, peers=peers, host=host, port=port,
                                                  announce=announce or (), auto_relay=auto_relay) as s:
         console.print(f"worker [bold]{s.identity.peer_id}[/] on [bold]{skill}[/] in network {s.spec.network}; "

@@ -34,6 +34,9 @@ def train_cmd(
     lr: Annotated[float, typer.Option(help="AdamW learning rate.")] = _d("lr"),
     warmup_steps: Annotated[int, typer.Option(help="Linear learning-rate warm-up steps.", min=0)] = _d("warmup_steps"),
     beta: Annotated[float, typer.Option(help="KL penalty to the starting policy (0: none).", min=0.0)] = _d("beta"),
+    retain_skill: Annotated[Optional[list[str]], typer.Option(help="Keep this skill's behaviour where the run started "
+                                                              "(a KL on the starting model's episodes); repeatable.")] = None,
+    retain: Annotated[float, typer.Option(help="Weight of that KL (with --retain-skill).", min=0.0)] = _d("retain"),
     eps_low: Annotated[float, typer.Option(help="Clip range below 1.")] = _d("eps_low"),
     eps_high: Annotated[float, typer.Option(help="Clip range above 1 (clip-higher when > eps-low).")] = _d("eps_high"),
     temperature: Annotated[float, typer.Option(help="Sampling temperature of the episodes.")] = _d("temperature"),
@@ -69,7 +72,8 @@ def train_cmd(
 
     cfg = TrainConfig(model_dir=model if model is not None else _default_model(), skill=skill, steps=steps, out_dir=out,
                       lora=lora, lora_rank=lora_rank, group_size=group_size, batch=batch, max_staleness=max_staleness,
-                      loss=loss, lr=lr, warmup_steps=warmup_steps, beta=beta, eps_low=eps_low, eps_high=eps_high,
+                      loss=loss, lr=lr, warmup_steps=warmup_steps, beta=beta, retain=retain,
+                      retain_skills=tuple(retain_skill or ()), eps_low=eps_low, eps_high=eps_high,
                       temperature=temperature, max_new_tokens=max_new_tokens, max_minutes=max_minutes,
                       eval_every=eval_every, eval_n=eval_n, save_every=save_every, seed=seed, engine=engine, sync=sync,
                       async_mode=async_mode, threads=threads, resume=resume, store=store, store_wait_s=wait,

@@ -44,6 +44,7 @@ class LossConfig:
     tis_cap: truncated importance sampling cap on pi_trainer/pi_behaviour (the inference engine's policy).
     beta: KL penalty weight against a reference policy (0 disables it).
     max_tokens: dr_grpo's constant normalizer (tokens per sequence budget).
+    retain: weight of the KL from the starting policy on other skills' episodes (0 disables it).
     """
 
     variant: Variant
@@ -52,14 +53,15 @@ class LossConfig:
     tis_cap: float
     beta: float
     max_tokens: int
+    retain: float
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
             raise ValueError(f"unknown loss variant {self.variant!r}; choose one of {', '.join(VARIANTS)}")
         if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
             raise ValueError("clip range needs 0 <= eps_low < 1 and eps_high >= 0")
-        if self.tis_cap <= 0 or self.beta < 0 or self.max_tokens < 1:
-            raise ValueError("tis_cap must be > 0, beta >= 0, max_tokens >= 1")
+        if self.tis_cap <= 0 or self.beta < 0 or self.max_tokens < 1 or self.retain < 0:
+            raise ValueError("tis_cap must be > 0, beta >= 0, retain >= 0, max_tokens >= 1")
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,11 @@ class OptimConfig:
     lora: bool
     lora_rank: int
     lora_alpha: float
+    retain_batch: int
 
     def __post_init__(self) -> None:
+        if self.retain_batch < 1:
+            raise ValueError("retain_batch must be >= 1")
         if self.lr <= 0 or self.max_grad_norm <= 0 or self.micro_batch < 1 or self.mini_batches < 1 or self.warmup_steps < 0:
             raise ValueError("lr and max_grad_norm must be > 0, micro_batch and mini_batches >= 1, warmup_steps >= 0")
         if self.lora and self.lora_rank < 1:
@@ -120,6 +125,15 @@ class TrainConfig:
     eps_high: float = 0.28
     tis_cap: float = 2.0
     beta: float = 0.0
+    # Keep other skills where they are: a KL from the starting policy on its own greedy episodes of these skills
+    # (`retain_n` each, new tasks every seed), so that a delta changes its own skill only. A worker retains its
+    # network's other skills when this is > 0 (`node run --retain`); `train` the skills given. Off by default: on
+    # the nano skills it cut the harm of a round's other deltas 6-8x, but it slowed calc (whose arithmetic the
+    # other skills share) and the demo's merged model came out no better (README, "The swarm").
+    retain: float = 0.0
+    retain_skills: tuple[str, ...] = ()
+    retain_n: int = 32
+    retain_batch: int = 16  # retain episodes per optimizer step
     lr: float = 2e-4
     warmup_steps: int = 20  # linear lr warm-up (Adam's first updates are sign-sized)
     weight_decay: float = 0.0
@@ -153,6 +167,7 @@ class TrainConfig:
         self.model_dir, self.out_dir = Path(self.model_dir).expanduser(), Path(self.out_dir).expanduser()
         self.store = Path(self.store).expanduser() if self.store is not None else None
         self.adam_betas = (float(self.adam_betas[0]), float(self.adam_betas[1]))
+        self.retain_skills = tuple(self.retain_skills)
 
     def external_name(self) -> str | None:
         """NAME of `external:NAME` (recorded trajectories), else None."""
@@ -163,6 +178,7 @@ class TrainConfig:
         from skillswarm.node.endpoint.verifiers_check import verifiers_problems
         from skillswarm.node.rl.engines import ENGINES, check_engine
         from skillswarm.node.tracking import check_trackers
+        from skillswarm.skills.registry import skill_names
 
         problems = []
         if self.steps < 0 or self.batch < 1 or self.group_size < 2:
@@ -184,6 +200,9 @@ class TrainConfig:
         if not (self.model_dir / "config.json").is_file():
             problems.append(f"{self.model_dir} is not a model directory (no config.json); build one with `skillswarm base build`")
         problems += self._store_problems()
+        unknown = sorted(set(self.retain_skills) - set(skill_names()))
+        if unknown:
+            problems.append(f"retain skills {', '.join(unknown)} are not installed (see `skillswarm skills list`)")
         problems += check_trackers(self.report_to)
         problems += verifiers_problems(self.skill)
         if problems:
@@ -249,14 +268,15 @@ class TrainConfig:
     def loss_config(self) -> LossConfig:
         """The policy loss's settings."""
         return LossConfig(variant=self.loss, eps_low=self.eps_low, eps_high=self.eps_high,  # type: ignore[arg-type]
-                          tis_cap=self.tis_cap, beta=self.beta, max_tokens=self.max_new_tokens)
+                          tis_cap=self.tis_cap, beta=self.beta, max_tokens=self.max_new_tokens,
+                          retain=self.retain if self.retain_skills else 0.0)
 
     def optim_config(self) -> OptimConfig:
         """The trainer's optimizer settings."""
         return OptimConfig(lr=self.lr, warmup_steps=self.warmup_steps, weight_decay=self.weight_decay,
                            betas=self.adam_betas, max_grad_norm=self.max_grad_norm, micro_batch=self.micro_batch,
                            mini_batches=self.mini_batches, temperature=self.temperature, lora=self.lora,
-                           lora_rank=self.lora_rank, lora_alpha=self.lora_alpha)
+                           lora_rank=self.lora_rank, lora_alpha=self.lora_alpha, retain_batch=self.retain_batch)
 
     def rollout_config(self) -> RolloutConfig:
         """How the run's episodes are generated."""

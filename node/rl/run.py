@@ -116,6 +116,11 @@ class _Run:
         model = model.float()  # fp32 master weights
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.trainer = Trainer(model, int(pad), cfg.loss_config(), cfg.optim_config(), self.device)
+        if cfg.retain > 0 and cfg.retain_skills:  # the starting policy's episodes (before a checkpoint is restored)
+            from skillswarm.node.rl.anchor import anchor_episodes
+
+            engine = self.eval_engine or HFEngine(copy.deepcopy(model), self.tokenizer, self.device)
+            self.trainer.set_retain(anchor_episodes(engine, cfg.retain_skills, cfg.skill, cfg.retain_n, cfg.seed))
         self.state: dict[str, Any] = {"step": 0, "seconds": 0.0, "next_batch": 0, "accuracy_before": None}
         self.feed_counters: dict[str, Any] = {}
         checkpoint = load_checkpoint(self.run_dir) if resuming else None

@@ -87,7 +87,7 @@ class Trainer:
 
             model = get_peft_model(model, LoraConfig(r=optim.lora_rank, lora_alpha=optim.lora_alpha, lora_dropout=0.0,
                                                      target_modules=LORA_TARGETS, bias="none"))
-        elif loss.beta > 0:  # the starting policy, frozen
+        elif loss.beta > 0 or loss.retain > 0:  # the starting policy, frozen
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         self.model = model.eval()  # no dropout: the policy's log-probs must match the engine's
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -96,6 +96,13 @@ class Trainer:
         self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": optim.weight_decay},
                                             {"params": no_decay, "weight_decay": 0.0}], lr=optim.lr, betas=optim.betas)
         self.version = 0
+        self.retain_batch: TrainBatch | None = None
+
+    def set_retain(self, episodes: list[Any]) -> None:
+        """The starting policy's episodes of other skills (token_ids, loss_mask) to keep its behaviour on."""
+        if self.loss_cfg.retain > 0 and episodes:
+            self.retain_batch = collate([Sample(e.token_ids, e.loss_mask, [0.0] * len(e.token_ids), 0.0, False, "") for e in episodes],
+                                        [0.0] * len(episodes), self.pad_id)
 
     # ---- one step --------------------------------------------------------------------------------
     def step(self, groups: list[Group]) -> dict[str, float]:
@@ -158,11 +165,34 @@ class Trainer:
             mine = fresh[idx].to(self.device)
             if bool(mine.any()) and m[mine].any():
                 peak_fresh = max(peak_fresh, float(diff[mine].max()))
+        retained = self._retain_backward() if self.retain_batch is not None else {}
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.optim_cfg.max_grad_norm)
         self.optimizer.step()
         tokens = max(sums.pop("tokens", 0.0), 1.0)
         return {"loss": loss_total, "grad_norm": float(grad_norm), "logp_diff_max": peak, "logp_diff_fresh_max": peak_fresh,
-                **{k: v / tokens for k, v in sums.items()}}
+                **{k: v / tokens for k, v in sums.items()}, **retained}
+
+    def _retain_backward(self) -> dict[str, float]:
+        """Accumulate retain * KL(start || policy) over the model tokens of `retain_batch` retain episodes (cycled)."""
+        data = self.retain_batch
+        assert data is not None
+        n = len(data.lengths)
+        rows = [(self.version * self.optim_cfg.retain_batch + i) % n for i in range(min(n, self.optim_cfg.retain_batch))]
+        width = max(data.lengths[i] for i in rows)
+        ids, attn = data.input_ids[rows, :width].to(self.device), data.attention_mask[rows, :width].to(self.device)
+        mask = data.loss_mask[rows, :width - 1].to(self.device)
+        logp = torch.log_softmax(self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float(), -1)
+        with torch.no_grad():
+            if self.ref_model is not None:
+                ref_logits = self.ref_model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+            else:
+                with self.model.disable_adapter():
+                    ref_logits = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+            ref = torch.log_softmax(ref_logits[:, :-1].float(), -1)
+        kl = (ref.exp() * (ref - logp)).sum(-1)
+        loss = self.loss_cfg.retain * (kl * mask).sum() / mask.sum().clamp(min=1.0)
+        loss.backward()
+        return {"retain_kl": float((kl.detach() * mask).sum() / mask.sum().clamp(min=1.0))}
 
     def _logprobs_no_grad(self, batch: TrainBatch) -> torch.Tensor:
         out = torch.zeros_like(batch.behaviour_logp)
