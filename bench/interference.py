@@ -89,7 +89,7 @@ def main() -> int:
 
     model = args.model or build_base()
     rows = []
-    for text in args.variant or ["none:retain=0", "retain:"]:
+    for text in args.variant or ["none:retain=0", "retain1:retain=1"]:
         name, changes = parse_variant(text)
         for seed in (int(s) for s in args.seeds.split(",")):
             print(f"{name} seed {seed}", file=sys.stderr)

@@ -128,7 +128,7 @@ class TrainConfig:
     # Keep other skills where they are: a KL from the starting policy on its own greedy episodes of these skills
     # (`retain_n` each, new tasks every seed), so that a delta changes its own skill only. A worker retains its
     # network's other skills when this is > 0 (`node run --retain`); `train` the skills given. Off by default: on
-    # the nano skills it cut the harm of a round's other deltas 6-8x, but it slowed calc (whose arithmetic the
+    # the nano skills it cut the harm of a round's other deltas 5-7x, but it slowed calc (whose arithmetic the
     # other skills share) and the demo's merged model came out no better (README, "The swarm").
     retain: float = 0.0
     retain_skills: tuple[str, ...] = ()
