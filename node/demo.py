@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from skillswarm.node.retention import LEVEL, retention, retention_intervals
-from skillswarm.node.rl.config import EVAL_N
+from skillswarm.node.rl.config import EVAL_N, TrainConfig, default_of
 from skillswarm.node.store import network_dir, round_dir
 from skillswarm.protocol.atomic import atomic_write_text
 from skillswarm.protocol.errors import SkillswarmError
@@ -66,6 +66,7 @@ class DemoConfig:
     group_size: int = 8
     batch: int = 8
     lr: float | None = None
+    retain: float = default_of(TrainConfig, "retain")  # the workers' retain loss (0: off, the default)
     timeout_s: float = 1800.0
     screen: ScreenPolicy = field(default_factory=ScreenPolicy)  # what the coordinator checks before merging a delta
 
@@ -180,7 +181,7 @@ def run_demo(cfg: DemoConfig, base: Path, on_status: Callable[[DemoStatus], None
         join = ["--network", str(spec_file), "--peers", maddr, "--host", "127.0.0.1"]
         s.start("coordinator", ["coordinator", "run", *join, "--key", str(coord_key), "--eval-n", str(cfg.eval_n)])
         train = ["--group-size", str(cfg.group_size), "--threads", "1", "--eval-n", str(cfg.eval_n),
-                 "--rounds", str(cfg.rounds), "--no-progress", "--batch", str(cfg.batch)]
+                 "--rounds", str(cfg.rounds), "--no-progress", "--batch", str(cfg.batch), "--retain", str(cfg.retain)]
         if cfg.minutes_per_round:
             train += ["--minutes-per-round", str(cfg.minutes_per_round)]
         workers = [f"worker-{k}" for k in cfg.skills]
@@ -324,6 +325,7 @@ def make_report(cfg: DemoConfig, final: CheckpointManifest, history: list[Checkp
     return {
         "skills": skills, "method": cfg.method, "method_label": run_label, "methods": methods,
         "rounds": final.version, "steps_per_round": cfg.steps_per_round, "minutes_per_round": cfg.minutes_per_round,
+        "retain": cfg.retain,
         "eval_n": cfg.eval_n, "interval_level": LEVEL, "seconds": round(seconds, 1), "final_version": final.version,
         "weights_hash": final.weights_hash, "checkpoint": str(cfg.out / "final"),
         "history": [{"version": h.version, "included": len(h.included), "rejected": len(h.rejected),

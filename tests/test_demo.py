@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from skillswarm.node.demo import DemoConfig, run_demo
+from skillswarm.node.demo import DemoConfig, run_demo, specialist_dir
 from skillswarm.protocol.records import ScreenPolicy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -29,7 +29,7 @@ def test_a_short_demo_reports_retention_and_stops_every_process(nano_model: Path
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     cfg = DemoConfig(out=tmp_path / "demo", skills=["reverse", "sort"], rounds=1, steps_per_round=3,
                      minutes_per_round=None, eval_n=8, group_size=4, batch=2, compare=["ties@1"], timeout_s=300,
-                     screen=ScreenPolicy(eval_n=0))  # 3-step deltas are too small to pass the usefulness test
+                     retain=1.0, screen=ScreenPolicy(eval_n=0))  # 3-step deltas are too small to pass the usefulness test
     phases: list[str] = []
     report = run_demo(cfg, nano_model, on_status=lambda st: phases.append(st.phase))
 
@@ -50,7 +50,12 @@ def test_a_short_demo_reports_retention_and_stops_every_process(nano_model: Path
     assert len(report["methods"]) == 2 and "ties(density=0.3, lambda=1)" in report["methods"]
     assert report["history"][0]["included"] == 2  # both skills' deltas went into v1
     assert phases[-1] == "done" and "comparing" in phases and "intervals" in phases
-    assert report["interval_level"] == 0.9
+    assert report["interval_level"] == 0.9 and report["retain"] == 1.0
+    # each worker kept the network's other skill: the retain loss ran, and saw its policy move
+    records = [json.loads(line) for line in
+               (specialist_dir(cfg.out / "nodes" / "worker-reverse", "reverse", 0).parent / "metrics.jsonl").open()]
+    assert records[0]["settings"]["retain_skills"] == ["reverse", "sort"]
+    assert max(r.get("retain_kl", 0.0) for r in records if r.get("kind") == "step") > 0
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -36,6 +36,8 @@ def demo_cmd(
                                                         f"retention (default: {' and '.join(_d('compare'))}).")] = None,
     no_compare: Annotated[bool, typer.Option("--no-compare", help="Skip the re-merge comparison.")] = False,
     eval_n: Annotated[int, typer.Option(help="Held-out episodes per skill for every accuracy figure.", min=1)] = _d("eval_n"),
+    retain: Annotated[float, typer.Option(help="Workers keep the other skills where each round started (a KL of this "
+                                          "weight on the start's episodes of them; 0: off).", min=0.0)] = _d("retain"),
     screen_eval_n: Annotated[int, typer.Option(help="Held-out tasks per skill the coordinator evaluates each delta on "
                                                     "before merging it (the network's usefulness test); 0: off.",
                                                min=0)] = ScreenPolicy().eval_n,
@@ -51,7 +53,7 @@ def demo_cmd(
     skills = skill or list(DEMO_SKILLS)
     cfg = DemoConfig(out=out.resolve(), skills=skills, rounds=rounds, steps_per_round=steps_per_round,
                      minutes_per_round=minutes_per_round or None, method=method, density=density, scale=lambda_,
-                     eval_n=eval_n, screen=ScreenPolicy(eval_n=screen_eval_n))
+                     eval_n=eval_n, retain=retain, screen=ScreenPolicy(eval_n=screen_eval_n))
     if no_compare or compare:
         cfg.compare = [] if no_compare else compare
     for text in [method, *cfg.compare]:
