@@ -12,7 +12,7 @@ from skillswarm.node.rl.anchor import anchor_episodes
 from skillswarm.node.rl.engines.hf import HFEngine, load_model_dir
 from skillswarm.node.rl.groups import Group
 from skillswarm.node.rl.orchestrator import Orchestrator
-from skillswarm.node.rl.trainer import Trainer, collate
+from skillswarm.node.rl.trainer import Trainer, episode_batch
 from skillswarm.protocol.errors import TrainError
 from skillswarm.skills.registry import get_skill
 from tests.rl_configs import loss_config, optim_config, rollout_config, train_config
@@ -61,10 +61,7 @@ def test_retain_keeps_the_other_skills_policy(nano_model: Path) -> None:
 
 def _kl(ref: torch.nn.Module, model: torch.nn.Module, episodes: list, pad: int) -> float:
     """Mean KL(ref || model) per model token of `episodes`."""
-    from skillswarm.node.rl.groups import Sample
-
-    data = collate([Sample(e.token_ids, e.loss_mask, [0.0] * len(e.token_ids), 0.0, False, "") for e in episodes],
-                   [0.0] * len(episodes), pad)
+    data = episode_batch(episodes, pad)
     with torch.no_grad():
         p = torch.log_softmax(ref(input_ids=data.input_ids, attention_mask=data.attention_mask).logits[:, :-1].float(), -1)
         q = torch.log_softmax(model(input_ids=data.input_ids, attention_mask=data.attention_mask).logits[:, :-1].float(), -1)

@@ -12,6 +12,7 @@ LoRA (peft); optional KL to the starting policy (for LoRA: the adapter switched 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from dataclasses import dataclass
@@ -61,6 +62,12 @@ def collate(samples: list[Sample], advantages: list[float], pad_id: int) -> Trai
                       [len(s.token_ids) for s in samples])
 
 
+def episode_batch(episodes: list[Any], pad_id: int) -> TrainBatch:
+    """Episodes with `token_ids` and `loss_mask` (rollouts, not graded samples) as one padded batch."""
+    return collate([Sample(e.token_ids, e.loss_mask, [0.0] * len(e.token_ids), 0.0, False, "") for e in episodes],
+                   [0.0] * len(episodes), pad_id)
+
+
 def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float) -> torch.Tensor:
     """Log-probs [N, T-1] of each next token under `model`, at the sampling temperature (0 = greedy: T=1)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1].float()
@@ -101,8 +108,7 @@ class Trainer:
     def set_retain(self, episodes: list[Any]) -> None:
         """The starting policy's episodes of other skills (token_ids, loss_mask) to keep its behaviour on."""
         if self.loss_cfg.retain > 0 and episodes:
-            self.retain_batch = collate([Sample(e.token_ids, e.loss_mask, [0.0] * len(e.token_ids), 0.0, False, "") for e in episodes],
-                                        [0.0] * len(episodes), self.pad_id)
+            self.retain_batch = episode_batch(episodes, self.pad_id)
 
     # ---- one step --------------------------------------------------------------------------------
     def step(self, groups: list[Group]) -> dict[str, float]:
@@ -182,13 +188,8 @@ class Trainer:
         ids, attn = data.input_ids[rows, :width].to(self.device), data.attention_mask[rows, :width].to(self.device)
         mask = data.loss_mask[rows, :width - 1].to(self.device)
         logp = torch.log_softmax(self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float(), -1)
-        with torch.no_grad():
-            if self.ref_model is not None:
-                ref_logits = self.ref_model(input_ids=ids, attention_mask=attn, use_cache=False).logits
-            else:
-                with self.model.disable_adapter():
-                    ref_logits = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits
-            ref = torch.log_softmax(ref_logits[:, :-1].float(), -1)
+        with self._reference() as model:
+            ref = torch.log_softmax(model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float(), -1)
         kl = (ref.exp() * (ref - logp)).sum(-1)
         loss = self.loss_cfg.retain * (kl * mask).sum() / mask.sum().clamp(min=1.0)
         loss.backward()
@@ -204,12 +205,19 @@ class Trainer:
                                                         self.optim_cfg.temperature).cpu()
         return out
 
-    def _ref_logprobs(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    @contextlib.contextmanager
+    def _reference(self) -> Iterator[Any]:
+        """The starting policy, without gradients: the frozen copy, or for LoRA the base without the adapter."""
         with torch.no_grad():
             if self.ref_model is not None:
-                return token_logprobs(self.ref_model, ids, attn, self.optim_cfg.temperature)
-            with self.model.disable_adapter():  # LoRA: the reference is the base without the adapter
-                return token_logprobs(self.model, ids, attn, self.optim_cfg.temperature)
+                yield self.ref_model
+            else:
+                with self.model.disable_adapter():
+                    yield self.model
+
+    def _ref_logprobs(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        with self._reference() as ref:
+            return token_logprobs(ref, ids, attn, self.optim_cfg.temperature)
 
     # ---- weights out -----------------------------------------------------------------------------
     def _lora_layers(self) -> Iterator[tuple[str, Any]]:
