@@ -4,7 +4,7 @@ skill against the same merge of dense bf16 deltas, on the demo's setup.
 Setup (the demo's first round): one specialist per demo skill, trained from the nano base with
 `skillswarm train --steps <the demo's steps per round>` (or reused from `--runs DIR`, where an earlier run
 of this bench left them); each specialist's delta (tuned - base) encoded with each codec; the four merged
-onto the base with the demo's policy (task_arithmetic, lambda 0.6); the merged model evaluated greedy on
+onto the base with the demo's policy (DemoConfig: method and lambda); the merged model evaluated greedy on
 the first `--eval-n` held-out tasks of each skill, the same tasks for every codec. Printed per codec:
 the bytes of the four delta files, compression against dense bf16 (`x_smaller`), accuracy per skill,
 points lost against dense bf16 per skill (`lost`; negative is a gain) and the worst of them (`max_lost`).

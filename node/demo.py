@@ -60,13 +60,14 @@ class DemoConfig:
     minutes_per_round: float | None = 2.0  # a cap, so `make demo` stays within 15 minutes on 2 cores
     method: str = MergePolicy().method
     density: float = 0.3
-    scale: float = 0.6  # 4 dense RL deltas summed at lambda=1 overshoot; 0.6 kept the most (see the README)
-    compare: list[str] = field(default_factory=lambda: ["ties@1", "task_arithmetic@1"])  # re-merge the last round
+    # The network's: with the workers' retain loss the deltas of a round add up at full strength (README, "The swarm")
+    scale: float = MergePolicy().scale
+    compare: list[str] = field(default_factory=lambda: ["ties@1", "task_arithmetic@0.6"])  # re-merge the last round
     eval_n: int = EVAL_N
     group_size: int = 8
     batch: int = 8
     lr: float | None = None
-    retain: float = default_of(TrainConfig, "retain")  # the workers' retain loss (0: off, the default)
+    retain: float = default_of(TrainConfig, "retain")  # the workers' retain loss (0: off)
     timeout_s: float = 1800.0
     screen: ScreenPolicy = field(default_factory=ScreenPolicy)  # what the coordinator checks before merging a delta
 

@@ -3,6 +3,7 @@ starting policy on that policy's own greedy episodes of them), so the deltas of 
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from skillswarm.node.rl.anchor import anchor_episodes
 from skillswarm.node.rl.engines.hf import HFEngine, load_model_dir
 from skillswarm.node.rl.groups import Group
 from skillswarm.node.rl.orchestrator import Orchestrator
+from skillswarm.node.rl.rollout import run_episodes
 from skillswarm.node.rl.trainer import Trainer, episode_batch
 from skillswarm.protocol.errors import TrainError
 from skillswarm.skills.registry import get_skill
@@ -34,29 +36,83 @@ def test_unknown_retain_skills_are_refused(nano_model: Path) -> None:
 
 
 @pytest.mark.slow
-def test_retain_keeps_the_other_skills_policy(nano_model: Path) -> None:
+def test_anchors_are_what_the_start_gets_right_on_the_other_skills(nano_model: Path) -> None:
     engine = HFEngine.load(nano_model, device="cpu")
-    anchors = anchor_episodes(engine, ["arith", "sort", "reverse"], "arith", 4, seed=3)
-    assert len(anchors) == 8 and all(any(r.loss_mask) for r in anchors)  # its own skill is not anchored
-    assert [r.token_ids for r in anchors] == [r.token_ids for r in anchor_episodes(engine, ["sort", "reverse"], "arith", 4, 3)]
+    anchors = anchor_episodes(engine, ["arith", "sort", "reverse"], "arith", 16, seed=3)
+    played = [r for name in ("sort", "reverse") for r in run_episodes(engine, get_skill(name),
+                                                                      get_skill(name).tasks.train_tasks(16, 3), 3, temperature=0.0)]
+    right = [r for r in played if r.episode.correct]
+    assert right and len(right) < len(played)  # the test model gets some right and some wrong
+    assert [r.token_ids for r in anchors] == [r.token_ids for r in right]  # its own skill and wrong answers: not anchored
+    assert [r.token_ids for r in anchors] == [r.token_ids for r in anchor_episodes(engine, ["sort", "reverse"], "arith", 16, 3)]
+
+
+@pytest.fixture(scope="module")
+def drift_setup(nano_model: Path) -> tuple[list, list[Group]]:
+    """Greedy episodes of two skills to hold (right or wrong: the trainer anchors what it is given) and a
+    batch of arith groups with fixed advantages, so that the tests do not depend on what the model scored."""
+    engine = HFEngine.load(nano_model, device="cpu")
+    held = [r for name in ("sort", "reverse") for r in run_episodes(engine, get_skill(name),
+                                                                    get_skill(name).tasks.train_tasks(4, 3), 3, temperature=0.0)]
     orch = Orchestrator(engine, get_skill("arith"), rollout_config(group_size=4, batch=2, max_new_tokens=16))
     batch: list[Group] = orch.generate_batch(0).groups
-    for g in batch:  # fixed advantages: the test does not depend on what the model scored
+    for g in batch:
         g.advantages = [1.0, -1.0, 0.5, -0.5]
+    return held, batch
+
+
+def _trainer(nano_model: Path, retain: float, held: list) -> tuple[Trainer, int]:
+    model, tok = load_model_dir(nano_model)
+    trainer = Trainer(model, tok.pad_token_id, loss_config(retain=retain, retain_skills=("sort", "reverse")),
+                      optim_config(lr=1e-3, warmup_steps=0, retain_batch=8))
+    trainer.set_retain(held)
+    return trainer, tok.pad_token_id
+
+
+@pytest.mark.slow
+def test_retain_keeps_the_other_skills_policy(nano_model: Path, drift_setup: tuple[list, list[Group]]) -> None:
+    held, batch = drift_setup
 
     def drift(retain: float) -> tuple[float, list[float]]:
-        model, tok = load_model_dir(nano_model)
-        trainer = Trainer(model, tok.pad_token_id, loss_config(retain=retain, retain_skills=("sort", "reverse")),
-                          optim_config(lr=1e-3, warmup_steps=0, retain_batch=8))
-        trainer.set_retain(anchors)
+        trainer, pad = _trainer(nano_model, retain, held)
         kls = [trainer.step(batch).get("retain_kl", 0.0) for _ in range(5)]
         start, _ = load_model_dir(nano_model)
-        return _kl(start, trainer.model, anchors, tok.pad_token_id), kls
+        return _kl(start, trainer.model, held, pad), kls
 
     free, _ = drift(0.0)
     kept, kls = drift(4.0)
     assert kls[0] == pytest.approx(0.0, abs=1e-6) and kls[-1] > 0  # the policy starts as the reference, then moves
     assert free > 0 and kept < 0.5 * free, (kept, free)
+
+
+@pytest.mark.slow
+def test_retain_gradient_is_clipped_apart_from_the_policy_gradient(nano_model: Path,
+                                                                    drift_setup: tuple[list, list[Group]]) -> None:
+    """A spike of the retain gradient must not shrink the policy-gradient step (clipping the sum would)."""
+    held, batch = drift_setup
+    batch = copy.deepcopy(batch)
+    for g in batch:  # a policy gradient over max_grad_norm too
+        g.advantages = [100 * a for a in g.advantages]
+    trainer, _ = _trainer(nano_model, 1000.0, held)  # a retain gradient far over max_grad_norm once the policy moved
+    for _ in range(3):
+        trainer.step(batch)
+    state = copy.deepcopy(trainer.state_dict())
+    metrics = trainer.step(batch)
+    both = [p.grad.clone() for p in trainer.params]
+    trainer.load_state_dict(state)
+    trainer.retain_batch = None
+    alone = trainer.step(batch)
+    policy = [p.grad.clone() for p in trainer.params]
+    cap = trainer.optim_cfg.max_grad_norm
+    assert metrics["retain_grad_norm"] > 10 * cap and alone["grad_norm"] > 10 * cap
+    assert alone["grad_norm"] == pytest.approx(metrics["grad_norm"])  # the policy gradient, measured alone
+    assert _norm(policy) == pytest.approx(cap, rel=1e-4)
+    assert _norm([b - a for a, b in zip(policy, both)]) == pytest.approx(cap, rel=1e-3)  # retain's part, clipped alone
+    assert _norm(both) > 1.2 * cap  # two clipped parts: one clip of their sum would leave at most cap
+
+
+def _norm(tensors: list[torch.Tensor]) -> float:
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors])))
 
 
 def _kl(ref: torch.nn.Module, model: torch.nn.Module, episodes: list, pad: int) -> float:

@@ -125,12 +125,11 @@ class TrainConfig:
     eps_high: float = 0.28
     tis_cap: float = 2.0
     beta: float = 0.0
-    # Keep other skills where they are: a KL from the starting policy on its own greedy episodes of these skills
-    # (`retain_n` each, new tasks every seed), so that a delta changes its own skill only. A worker retains its
-    # network's other skills when this is > 0 (`node run --retain`); `train` the skills given. Off by default: on
-    # the nano skills it cut the harm of a round's other deltas 5-7x, but it slowed calc (whose arithmetic the
-    # other skills share) and the demo's merged model came out no better (README, "The swarm").
-    retain: float = 0.0
+    # Keep other skills where they are: a KL from the starting policy on its own correct greedy episodes of these
+    # skills (of `retain_n` tasks each, new tasks every seed), so that a delta changes its own skill only. A worker
+    # retains its network's other skills (`node run --retain`, 0 turns it off); `train` the skills given. In the
+    # demo it made the four skills' deltas add up at lambda 1: every skill kept >= 90% of its gain (README, "The swarm").
+    retain: float = 1.0
     retain_skills: tuple[str, ...] = ()
     retain_n: int = 32
     retain_batch: int = 16  # retain episodes per optimizer step

@@ -171,15 +171,16 @@ class Trainer:
             mine = fresh[idx].to(self.device)
             if bool(mine.any()) and m[mine].any():
                 peak_fresh = max(peak_fresh, float(diff[mine].max()))
-        retained = self._retain_backward() if self.retain_batch is not None else {}
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.optim_cfg.max_grad_norm)
+        retained = self._retain_backward() if self.retain_batch is not None else {}
         self.optimizer.step()
         tokens = max(sums.pop("tokens", 0.0), 1.0)
         return {"loss": loss_total, "grad_norm": float(grad_norm), "logp_diff_max": peak, "logp_diff_fresh_max": peak_fresh,
                 **{k: v / tokens for k, v in sums.items()}, **retained}
 
     def _retain_backward(self) -> dict[str, float]:
-        """Accumulate retain * KL(start || policy) over the model tokens of `retain_batch` retain episodes (cycled)."""
+        """Add the gradient of retain * KL(start || policy) over the model tokens of `retain_batch` retain episodes
+        (cycled), clipped on its own: clipped together, its spikes would shrink the policy-gradient step with it."""
         data = self.retain_batch
         assert data is not None
         n = len(data.lengths)
@@ -192,8 +193,16 @@ class Trainer:
             ref = torch.log_softmax(model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float(), -1)
         kl = (ref.exp() * (ref - logp)).sum(-1)
         loss = self.loss_cfg.retain * (kl * mask).sum() / mask.sum().clamp(min=1.0)
-        loss.backward()
-        return {"retain_kl": float((kl.detach() * mask).sum() / mask.sum().clamp(min=1.0))}
+        grads = torch.autograd.grad(loss, self.params, allow_unused=True)
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads if g is not None]))
+        scale = min(1.0, self.optim_cfg.max_grad_norm / (float(norm) + 1e-6))
+        for p, g in zip(self.params, grads):
+            if g is not None:
+                if p.grad is None:
+                    p.grad = g.mul_(scale)
+                else:
+                    p.grad.add_(g, alpha=scale)
+        return {"retain_kl": float((kl.detach() * mask).sum() / mask.sum().clamp(min=1.0)), "retain_grad_norm": float(norm)}
 
     def _logprobs_no_grad(self, batch: TrainBatch) -> torch.Tensor:
         out = torch.zeros_like(batch.behaviour_logp)
