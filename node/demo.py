@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import typing
 from dataclasses import dataclass, field
@@ -130,13 +131,23 @@ class Swarm:
             self.stop(name, timeout=30)
 
 
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 @contextlib.contextmanager
 def swarm(out: Path) -> Iterator[Swarm]:
+    """The demo's processes, stopped on the way out: on an error, Ctrl-C or a SIGTERM to the demo itself
+    (whose default action would end it at once and leave the swarm running)."""
     s = Swarm(out)
+    main = threading.current_thread() is threading.main_thread()  # signal handlers belong to the main thread
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main else None
     try:
         yield s
     finally:
         s.close()
+        if main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _bootstrap_address(s: Swarm, timeout: float = 90.0) -> str:

@@ -3,8 +3,13 @@ round; the report, the plot, the pulled checkpoint and a re-merge with a second 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -67,3 +72,36 @@ def test_a_short_demo_reports_retention_and_stops_every_process(nano_model: Path
     while _new_children(before) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _new_children(before), "the demo left processes running"
+
+
+def test_a_sigterm_to_the_demo_stops_its_swarm(nano_model: Path, tmp_path: Path) -> None:
+    """`kill <demo>` (a scheduler, a CI timeout) must not leave the bootstrap, coordinator and workers running."""
+    out = tmp_path / "demo"
+    script = ("import sys; from pathlib import Path; from skillswarm.node.demo import DemoConfig, run_demo; "
+              "run_demo(DemoConfig(out=Path(sys.argv[1]), skills=['reverse'], rounds=1, steps_per_round=1000, "
+              "minutes_per_round=None, eval_n=8, group_size=4, batch=2, timeout_s=300), Path(sys.argv[2]))")
+    env = {**os.environ, "SKILLSWARM_HOME": str(tmp_path / "home")}
+    demo = subprocess.Popen([sys.executable, "-c", script, str(out), str(nano_model)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    swarm: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 180
+        started: list[psutil.Process] = []
+        while time.monotonic() < deadline and demo.poll() is None:
+            started = [p for p in psutil.Process(demo.pid).children() if "run" in " ".join(p.cmdline())]
+            if any("node" in p.cmdline() for p in started) and (out / "logs" / "worker-reverse.log").exists():
+                break
+            time.sleep(0.5)
+        assert demo.poll() is None and any("node" in p.cmdline() for p in started), "the demo's worker never started"
+        swarm += psutil.Process(demo.pid).children(recursive=True)
+        demo.send_signal(signal.SIGTERM)
+        assert demo.wait(120) == 128 + signal.SIGTERM
+        _, alive = psutil.wait_procs(swarm, timeout=30)
+        assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
+    finally:  # whatever the outcome, nothing this test started outlives it
+        for p in swarm:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait(10)
