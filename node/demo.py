@@ -146,7 +146,7 @@ def swarm(out: Path) -> Iterator[Swarm]:
         yield s
     finally:
         s.close()
-        if main:
+        if previous is not None:  # None: the handler was not Python's, and cannot be put back from here
             signal.signal(signal.SIGTERM, previous)
 
 

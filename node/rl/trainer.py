@@ -193,15 +193,14 @@ class Trainer:
             ref = torch.log_softmax(model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float(), -1)
         kl = (ref.exp() * (ref - logp)).sum(-1)
         loss = self.loss_cfg.retain * (kl * mask).sum() / mask.sum().clamp(min=1.0)
-        grads = torch.autograd.grad(loss, self.params, allow_unused=True)
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads if g is not None]))
-        scale = min(1.0, self.optim_cfg.max_grad_norm / (float(norm) + 1e-6))
-        for p, g in zip(self.params, grads):
+        policy = [p.grad for p in self.params]  # the clipped policy gradient, set aside while retain's is clipped
+        for p in self.params:
+            p.grad = None
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.optim_cfg.max_grad_norm)
+        for p, g in zip(self.params, policy):
             if g is not None:
-                if p.grad is None:
-                    p.grad = g.mul_(scale)
-                else:
-                    p.grad.add_(g, alpha=scale)
+                p.grad = g if p.grad is None else p.grad.add_(g)
         return {"retain_kl": float((kl.detach() * mask).sum() / mask.sum().clamp(min=1.0)), "retain_grad_norm": float(norm)}
 
     def _logprobs_no_grad(self, batch: TrainBatch) -> torch.Tensor:
