@@ -5,7 +5,9 @@ and each skill's gain is compared between its specialist and the merged model.
 Figures (all greedy, on the same held-out tasks, `eval_n` of them): base = the genesis checkpoint,
 measured by each worker before its first round; specialist = the worker's model after the last round;
 merged = the coordinator's evaluation of the final checkpoint. retention = (merged - base) /
-(specialist - base): how much of the specialist's gain the merged generalist keeps.
+(specialist - base): how much of the specialist's gain the merged generalist keeps. The three models are then
+re-measured task by task on `retention_n` held-out tasks (a prefix-extension of the same list) for a retention
+with about half the sampling error, and its interval.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from skillswarm.node.retention import LEVEL, retention, retention_intervals
+from skillswarm.node.retention import LEVEL, RETENTION_N, Remeasured, remeasure, retention
 from skillswarm.node.rl.config import EVAL_N, TrainConfig, default_of
 from skillswarm.node.store import network_dir, round_dir
 from skillswarm.protocol.atomic import atomic_write_text
@@ -58,13 +60,17 @@ class DemoConfig:
     rounds: int = 4
     # The same steps for every skill (time-boxed rounds starve the slow, multi-turn ones): the network's default.
     steps_per_round: int = RoundPolicy().steps_per_round
-    minutes_per_round: float | None = 2.0  # a cap, so `make demo` stays within 15 minutes on 2 cores
+    # A cap on each round's training, a safety net for slow machines: 50 steps of calc (5x the tokens of the other
+    # skills' steps) took 65 s on one 2-core machine and about 3 minutes on a slower one, where a 2-minute cap
+    # ended its rounds at 12-23 steps (README, "The swarm on a second machine").
+    minutes_per_round: float | None = 3.0
     method: str = MergePolicy().method
     density: float = 0.3
     # The network's: with the workers' retain loss the deltas of a round add up at full strength (README, "The swarm")
     scale: float = MergePolicy().scale
     compare: list[str] = field(default_factory=lambda: ["ties@1", "task_arithmetic@0.6"])  # re-merge the last round
     eval_n: int = EVAL_N
+    retention_n: int = RETENTION_N  # held-out tasks per skill of the final re-measure
     group_size: int = 8
     batch: int = 8
     lr: float | None = None
@@ -236,16 +242,16 @@ def run_demo(cfg: DemoConfig, base: Path, on_status: Callable[[DemoStatus], None
                 s.stop(name)
         s.stop("coordinator")
         s.stop("bootstrap")
-        status.phase = "intervals"
+        status.phase = "remeasuring"
         notify(status)
         trained = {k: specialist_dir(s.home(f"worker-{k}"), k, final.version - 1) for k in cfg.skills}
         missing = sorted(k for k, path in trained.items() if not path.is_dir())
         if missing:  # a worker that did not finish the last round itself has no interval
-            log.warning("no last-round model for %s: no retention interval for it", ", ".join(missing))
-        intervals = retention_intervals(base, {k: p for k, p in trained.items() if k not in missing},
-                                        cfg.out / "final", cfg.eval_n)
+            log.warning("no last-round model for %s: no re-measured retention for it", ", ".join(missing))
+        remeasured = remeasure(base, {k: p for k, p in trained.items() if k not in missing}, cfg.out / "final",
+                               cfg.retention_n)
     report = make_report(cfg, final, [h for h in history if h is not None], deltas, time.monotonic() - t0,
-                         alternatives, intervals)
+                         alternatives, remeasured)
     atomic_write_text(cfg.out / "report.json", json.dumps(report, indent=2, sort_keys=True) + "\n")
     plot_report(report, cfg.out / "report.png")
     status.phase = "done"
@@ -308,10 +314,10 @@ def specialist_dir(home: Path, skill: str, version: int) -> Path:
 def make_report(cfg: DemoConfig, final: CheckpointManifest, history: list[CheckpointManifest],
                 deltas: dict[int, list[DeltaManifest]], seconds: float,
                 alternatives: dict[str, dict[str, float]] | None = None,
-                intervals: dict[str, tuple[float, float] | None] | None = None) -> dict:
+                remeasured: dict[str, Remeasured] | None = None) -> dict:
     """report.json: per skill base / specialist / merged accuracy and retention, plus the run's history;
-    `methods` holds the same figures for the final round re-merged with other methods; `retention_interval`
-    the sampling interval of each retention (`intervals`, from `retention_intervals`)."""
+    `methods` holds the same figures for the final round re-merged with other methods; `remeasured` the three
+    models on `retention_n` tasks (from `remeasure`), and `retention_interval` that retention's interval."""
     skills = {}
     last = final.version - 1
     for skill in cfg.skills:
@@ -328,7 +334,8 @@ def make_report(cfg: DemoConfig, final: CheckpointManifest, history: list[Checkp
                          "retention": retention(base, specialist, merged),
                          "round_specialists": rounds, "best_round_specialist": best,
                          "first_round_specialist": rounds[0] if rounds else None,
-                         "retention_interval": list(iv) if (iv := (intervals or {}).get(skill)) else None}
+                         "remeasured": _remeasured_row(r) if (r := (remeasured or {}).get(skill)) else None,
+                         "retention_interval": list(r.interval) if r and r.interval else None}
     run_label = method_label(MergePolicy(method=cfg.method, density=cfg.density, scale=cfg.scale))  # type: ignore[arg-type]
     methods = {run_label: {k: {"merged": v["merged"], "retention": v["retention"]} for k, v in skills.items()}}
     for label, accuracy in (alternatives or {}).items():
@@ -338,7 +345,7 @@ def make_report(cfg: DemoConfig, final: CheckpointManifest, history: list[Checkp
         "skills": skills, "method": cfg.method, "method_label": run_label, "methods": methods,
         "rounds": final.version, "steps_per_round": cfg.steps_per_round, "minutes_per_round": cfg.minutes_per_round,
         "retain": cfg.retain,
-        "eval_n": cfg.eval_n, "interval_level": LEVEL, "seconds": round(seconds, 1), "final_version": final.version,
+        "eval_n": cfg.eval_n, "retention_n": cfg.retention_n, "interval_level": LEVEL, "seconds": round(seconds, 1), "final_version": final.version,
         "weights_hash": final.weights_hash, "checkpoint": str(cfg.out / "final"),
         "history": [{"version": h.version, "included": len(h.included), "rejected": len(h.rejected),
                      "accuracy": {k: m.accuracy for k, m in sorted(h.metrics.items())}} for h in history],
@@ -346,6 +353,10 @@ def make_report(cfg: DemoConfig, final: CheckpointManifest, history: list[Checkp
         "specialists": {str(v): {d.skill: {"before": d.stats.accuracy_before, "after": d.stats.accuracy_after}
                                  for d in ds} for v, ds in sorted(deltas.items())},
     }
+
+
+def _remeasured_row(r: Remeasured) -> dict:
+    return {"n": r.n, "base": r.base, "specialist": r.specialist, "merged": r.merged, "retention": r.retention}
 
 
 def per_round(skills: dict[str, dict], history: list[CheckpointManifest]) -> list[dict]:

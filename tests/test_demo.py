@@ -33,7 +33,7 @@ def test_a_short_demo_reports_retention_and_stops_every_process(nano_model: Path
     monkeypatch.setenv("SKILLSWARM_HOME", str(tmp_path / "home"))
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     cfg = DemoConfig(out=tmp_path / "demo", skills=["reverse", "sort"], rounds=1, steps_per_round=3,
-                     minutes_per_round=None, eval_n=8, group_size=4, batch=2, compare=["ties@1"], timeout_s=300,
+                     minutes_per_round=None, eval_n=8, retention_n=16, group_size=4, batch=2, compare=["ties@1"], timeout_s=300,
                      retain=1.0, screen=ScreenPolicy(eval_n=0))  # 3-step deltas are too small to pass the usefulness test
     phases: list[str] = []
     report = run_demo(cfg, nano_model, on_status=lambda st: phases.append(st.phase))
@@ -49,13 +49,20 @@ def test_a_short_demo_reports_retention_and_stops_every_process(nano_model: Path
             assert math.isclose(row["retention"], expected, abs_tol=1e-4)
         else:
             assert row["retention"] is None
-        if row["retention_interval"] is not None:  # re-measured task by task on the same models
+        again = row["remeasured"]  # base, specialist and merged model re-measured on 16 tasks, the first 8 as above
+        assert again["n"] == 16 and all(0.0 <= again[k] <= 1.0 for k in ("base", "specialist", "merged"))
+        if again["specialist"] > again["base"]:
+            expected = (again["merged"] - again["base"]) / (again["specialist"] - again["base"])
+            assert math.isclose(again["retention"], expected, abs_tol=1e-4)
+        else:
+            assert again["retention"] is None and row["retention_interval"] is None
+        if row["retention_interval"] is not None:
             lo, hi = row["retention_interval"]
             assert lo <= hi
     assert len(report["methods"]) == 2 and "ties(density=0.3, lambda=1)" in report["methods"]
     assert report["history"][0]["included"] == 2  # both skills' deltas went into v1
-    assert phases[-1] == "done" and "comparing" in phases and "intervals" in phases
-    assert report["interval_level"] == 0.9 and report["retain"] == 1.0
+    assert phases[-1] == "done" and "comparing" in phases and "remeasuring" in phases
+    assert report["interval_level"] == 0.9 and report["retain"] == 1.0 and report["retention_n"] == 16
     # each worker kept the network's other skill: the retain loss ran, and saw its policy move
     records = [json.loads(line) for line in
                (specialist_dir(cfg.out / "nodes" / "worker-reverse", "reverse", 0).parent / "metrics.jsonl").open()]
@@ -79,7 +86,7 @@ def test_a_sigterm_to_the_demo_stops_its_swarm(nano_model: Path, tmp_path: Path)
     out = tmp_path / "demo"
     script = ("import sys; from pathlib import Path; from skillswarm.node.demo import DemoConfig, run_demo; "
               "run_demo(DemoConfig(out=Path(sys.argv[1]), skills=['reverse'], rounds=1, steps_per_round=1000, "
-              "minutes_per_round=None, eval_n=8, group_size=4, batch=2, timeout_s=300), Path(sys.argv[2]))")
+              "minutes_per_round=None, eval_n=8, retention_n=16, group_size=4, batch=2, timeout_s=300), Path(sys.argv[2]))")
     env = {**os.environ, "SKILLSWARM_HOME": str(tmp_path / "home")}
     demo = subprocess.Popen([sys.executable, "-c", script, str(out), str(nano_model)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -112,3 +112,18 @@ def test_train_and_report_from_the_cli(nano_model: Path, tmp_path: Path) -> None
     assert bad.returncode == 1 and "unknown skill" in bad.stderr
     missing = run_cli("report", str(tmp_path / "nothing"), check=False)
     assert missing.returncode == 1 and "no training metrics" in missing.stderr
+
+
+def test_the_time_cap_counts_training_not_set_up(nano_model: Path, tmp_path: Path) -> None:
+    """`max_minutes` caps the step loop: loading, the anchors and the first eval took calc's demo worker 30-60 s of
+    a 2-minute round on a slow machine, so its rounds ended at 12 of 50 steps when they counted."""
+    import time
+
+    from skillswarm.node.rl.run import _Run
+
+    cfg = TrainConfig(model_dir=nano_model, steps=3, out_dir=tmp_path / "run", max_minutes=0.001, **FAST)  # 60 ms
+    run = _Run(cfg, 1, False, None, multiprocessing.Event())
+    time.sleep(0.1)  # set-up outlasting the cap
+    assert not run._deadline_passed()
+    run.training_since = time.monotonic() - 0.1  # the step loop began 100 ms ago
+    assert run._deadline_passed()

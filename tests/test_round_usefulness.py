@@ -36,8 +36,9 @@ def test_only_the_delta_that_helps_its_skill_without_hurting_others_gets_in(nano
     torch.set_num_threads(1)
     base_hash = weights_hash(nano_model)
     honest = sft_delta(nano_model, "reverse", tmp_path / "honest.safetensors", steps=60, lr=3e-4)
-    # lr 1e-3: a clear cost to reverse (about -15 points) on every CPU, not one at the 5% edge
-    forgetting = sft_delta(nano_model, "sort", tmp_path / "sort.safetensors", steps=60, lr=1e-3, seed=1)
+    # 120 steps at lr 1e-3: a clear gain on sort and a clear cost to reverse on every CPU, not one at the 5% edge
+    # (in 60 steps one machine's test base lost 15 points of reverse, another's 6.2, p=0.14 on 64 tasks; in 120, 12.5)
+    forgetting = sft_delta(nano_model, "sort", tmp_path / "sort.safetensors", steps=120, lr=1e-3, seed=1)
     against = sft_delta(nano_model, "reverse", tmp_path / "against.safetensors", steps=20, lr=3e-4, against=True)
     values = dict(read_delta(honest.path).items())
     flipped = encode_delta({k: -v for k, v in values.items()}, tmp_path / "flipped.safetensors", "dense_fp32")

@@ -36,6 +36,9 @@ def demo_cmd(
                                                         f"retention (default: {' and '.join(_d('compare'))}).")] = None,
     no_compare: Annotated[bool, typer.Option("--no-compare", help="Skip the re-merge comparison.")] = False,
     eval_n: Annotated[int, typer.Option(help="Held-out episodes per skill for every accuracy figure.", min=1)] = _d("eval_n"),
+    retention_n: Annotated[int, typer.Option(help="Held-out tasks per skill on which base, specialists and merged "
+                                                  "model are re-measured at the end (a retention with half the sampling error, and its interval).",
+                                             min=1)] = _d("retention_n"),
     retain: Annotated[float, typer.Option(help="Workers keep the other skills where each round started (a KL of this "
                                           "weight on the start's episodes of them; 0: off).", min=0.0)] = _d("retain"),
     screen_eval_n: Annotated[int, typer.Option(help="Held-out tasks per skill the coordinator evaluates each delta on "
@@ -53,7 +56,7 @@ def demo_cmd(
     skills = skill or list(DEMO_SKILLS)
     cfg = DemoConfig(out=out.resolve(), skills=skills, rounds=rounds, steps_per_round=steps_per_round,
                      minutes_per_round=minutes_per_round or None, method=method, density=density, scale=lambda_,
-                     eval_n=eval_n, retain=retain, screen=ScreenPolicy(eval_n=screen_eval_n))
+                     eval_n=eval_n, retention_n=retention_n, retain=retain, screen=ScreenPolicy(eval_n=screen_eval_n))
     if no_compare or compare:
         cfg.compare = [] if no_compare else compare
     for text in [method, *cfg.compare]:
@@ -71,7 +74,7 @@ def demo_cmd(
             text = {"training": f"round {st.version + 1}/{rounds}: workers training, {st.deltas}/{len(skills)} deltas in",
                     "pulling": "pulling the final checkpoint",
                     "comparing": "re-merging the last round with other methods",
-                    "intervals": "re-measuring base, specialists and merged model task by task", "done": "done"}.get(st.phase, st.phase)
+                    "remeasuring": f"re-measuring base, specialists and merged model on {retention_n} tasks per skill", "done": "done"}.get(st.phase, st.phase)
             bar.update(task, description=text)
 
         report = run_demo(cfg, base, on_status=show)
@@ -79,14 +82,14 @@ def demo_cmd(
         print_json(report)
         return
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
-    rows = [[k, pct(v["base"]), pct(v["specialist"]), pct(v["merged"]),
-             "n/a (no gain)" if v["retention"] is None else f"{100 * v['retention']:.0f}%",
-             "-" if not v.get("retention_interval") else "{:.0f}-{:.0f}%".format(*(100 * x for x in v["retention_interval"]))]
-            for k, v in report["skills"].items()]
+    rows = [[k, pct(v["base"]), pct(v["specialist"]), pct(v["merged"]), _share(v["retention"]),
+             *_remeasured_cells(v)] for k, v in report["skills"].items()]
     level = f"{100 * report['interval_level']:.0f}% interval"
-    console.print(table(f"retention of each specialist's gain after {report['rounds']} rounds ({report['method_label']}, "
-                        f"n={report['eval_n']} held-out tasks, greedy; the interval: paired bootstrap over the tasks)",
-                        ["skill", "base", "specialist", "merged", "retention", level], rows))
+    n2 = report["retention_n"]
+    console.print(table(f"retention of each specialist's gain after {report['rounds']} rounds ({report['method_label']}; "
+                        f"greedy, n={report['eval_n']} held-out tasks, then all three models re-measured on n={n2}; "
+                        f"the interval: paired bootstrap over the tasks)",
+                        ["skill", "base", "specialist", "merged", "retention", f"retention (n={n2})", level], rows))
     names = list(report["skills"])
     rows = [[f"v{r['version']}" + (" (base)" if r["version"] == 0 else ""), *(pct(r["accuracy"].get(k)) for k in names),
              "" if r["included"] is None else f"{r['included']} / {r['rejected']}"] for r in report["per_round"]]
@@ -98,6 +101,15 @@ def demo_cmd(
                             ["method", *names], rows))
     console.print(f"report: {out / 'report.json'}, plot: {out / 'report.png'}, checkpoint: {out / 'final'} "
                   f"({report['seconds'] / 60:.1f} min)")
+
+
+def _share(x: float | None) -> str:
+    return "n/a (no gain)" if x is None else f"{100 * x:.0f}%"
+
+
+def _remeasured_cells(v: dict) -> list[str]:
+    r, iv = v.get("remeasured"), v.get("retention_interval")
+    return ["-" if r is None else _share(r["retention"]), "-" if not iv else "{:.0f}-{:.0f}%".format(*(100 * x for x in iv))]
 
 
 def _cell(m: dict) -> str:

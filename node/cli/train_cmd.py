@@ -41,7 +41,7 @@ def train_cmd(
     eps_high: Annotated[float, typer.Option(help="Clip range above 1 (clip-higher when > eps-low).")] = _d("eps_high"),
     temperature: Annotated[float, typer.Option(help="Sampling temperature of the episodes.")] = _d("temperature"),
     max_new_tokens: Annotated[int, typer.Option(help="Token cap per model turn.", min=1)] = _d("max_new_tokens"),
-    max_minutes: Annotated[Optional[float], typer.Option(help="Stop after M minutes (or at --steps, if sooner).")] = _d("max_minutes"),
+    max_minutes: Annotated[Optional[float], typer.Option(help="Stop after M minutes of training (or at --steps, if sooner); loading and the first eval do not count.")] = _d("max_minutes"),
     eval_every: Annotated[int, typer.Option(help="Held-out eval every K steps (0: only before and after).", min=0)] = _d("eval_every"),
     eval_n: Annotated[int, typer.Option(help="Held-out tasks per eval (0: no eval).", min=0)] = _d("eval_n"),
     save_every: Annotated[int, typer.Option(help="Run checkpoint every K steps (0: only at the end).", min=0)] = _d("save_every"),

@@ -144,7 +144,7 @@ class TrainConfig:
     temperature: float = 1.0
     max_new_tokens: int = 64
     max_tokens: int = 512
-    max_minutes: float | None = None
+    max_minutes: float | None = None  # of the step loop: loading, anchors and the first eval do not count
     eval_every: int = 50  # 0: only before and after
     eval_n: int = EVAL_N  # 0: no held-out eval at all
     save_every: int = 50  # 0: only at the end

@@ -96,6 +96,7 @@ class _Run:
         self.device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.mode = cfg.mode()
         self.started = time.monotonic()
+        self.training_since: float | None = None  # when the step loop began: `max_minutes` counts from here
         self.evals: list[dict[str, Any]] = []
 
     # ---- set-up --------------------------------------------------------------------------------------
@@ -203,11 +204,16 @@ class _Run:
             self.metrics.close()
 
     def _deadline_passed(self) -> bool:
-        return self.cfg.max_minutes is not None and time.monotonic() - self.started >= self.cfg.max_minutes * 60
+        """Whether `max_minutes` of training are spent. Loading, the anchors and the first eval do not count: they
+        cost calc's worker 30-60 s before its first step on a slow machine, and its 2-minute demo rounds ended at 12-23
+        of 50 steps."""
+        since = self.training_since
+        return self.cfg.max_minutes is not None and since is not None and time.monotonic() - since >= self.cfg.max_minutes * 60
 
     async def _loop(self, feed: Feed, bar: "_Bar | None") -> None:
         cfg, trainer = self.cfg, self.trainer
         last_save = self.state["step"]
+        self.training_since = time.monotonic()
         while self.state["step"] < cfg.steps and not self.stop.is_set() and not self._deadline_passed():
             t0 = time.monotonic()
             try:

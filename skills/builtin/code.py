@@ -53,11 +53,19 @@ class Template:
     j: range | None = None
     letters: int = 0
 
+    @property
+    def size(self) -> int:
+        """How many distinct tasks the template makes (its parameter combinations)."""
+        n = (len(self.k) if self.k else 1) * (len(self.j) if self.j else 1)
+        for i in range(self.letters):
+            n *= len(LETTERS) - i
+        return n
+
 
 TEMPLATES: tuple[Template, ...] = (
     Template("int", "add {k}", "a+{k}", K999), Template("int", "sub {k}", "a-{k}", K999),
     Template("int", "mul {k}", "a*{k}", range(2, 20)), Template("int", "mod {k}", "a%{k}", range(2, 20)),
-    Template("int", "div {k}", "a//{k}", range(2, 20)), Template("int", "mul {k} add {j}", "a*{k}+{j}", range(2, 10), K999),
+    Template("int", "div {k}", "a//{k}", range(2, 20)), Template("int", "mul {k} add {j}", "a*{k}+{j}", range(2, 10), K99),
     Template("int", "square add {k}", "a*a+{k}", K999), Template("int", "max {k}", "max(a,{k})", K999),
     Template("int", "min {k}", "min(a,{k})", K999),
     Template("list", "sum", "sum(a)"), Template("list", "max", "max(a)"), Template("list", "min", "min(a)"),
@@ -88,9 +96,19 @@ def _inputs(kind: str, rng: random.Random, letters: str, k: int) -> list[Any]:
     return ["".join(rng.choice(pool) for _ in range(rng.randint(1, 8))) for _ in range(N_TESTS)]
 
 
+# Draw weights: a template's share of the task space. The held-out split is a list of distinct tasks, so it is as
+# good as uniform over the task space. Drawn uniformly over templates instead (v1), training spent 70% of its
+# tasks on the 24 templates of at most 26 tasks each, which made 1.4% of the split (no string task but `replace`),
+# and its prompts averaged 12.4 characters against the split's 16.0 (now 15.6 and 15.6).
+WEIGHTS = tuple(t.size for t in TEMPLATES)
+
+
 class CodeTasks(TaskBank):
-    """A template (uniformly), then its parameters; the hidden tests' inputs come from the task id, their
-    expected outputs from the reference solution. Grading results are memoised per (task, answer)."""
+    """A template (weighted by its number of tasks, so that every task is as likely), then its parameters; the
+    hidden tests' inputs come from the task id, their expected outputs from the reference solution. Grading
+    results are memoised per (task, answer)."""
+
+    eval_every = 5  # its space is ~9,600 tasks: a fifth held out leaves ~1,900, enough for two looks of 300 and n=1000
 
     def __init__(self, limits: SandboxLimits = SandboxLimits(output_bytes=16000), memo: int = 8192) -> None:
         self.limits, self.memo = limits, memo
@@ -98,7 +116,7 @@ class CodeTasks(TaskBank):
         self._lock = threading.Lock()
 
     def draw(self, rng: random.Random) -> Task:
-        index = rng.randrange(len(TEMPLATES))
+        index = rng.choices(range(len(TEMPLATES)), weights=WEIGHTS)[0]
         t = TEMPLATES[index]
         chosen = rng.sample(LETTERS, t.letters)
         return self.make(index, k=rng.choice(t.k) if t.k else 0, j=rng.choice(t.j) if t.j else 0,
@@ -178,7 +196,7 @@ def make_skill() -> Skill:
         return sum(passed) / len(passed)
 
     return Skill(
-        name="code", version="1", description="write a one-line Python function, graded by hidden tests in the sandbox (multi-turn, python tool)",
+        name="code", version="2", description="write a one-line Python function, graded by hidden tests in the sandbox (multi-turn, python tool)",
         tasks=tasks, env=Environment(system_prompt=SYSTEM, tools=[PythonSandbox(memo=4096)], max_turns=3,
                         concurrency=SANDBOX_CONCURRENCY),
         rubric=Rubric([RewardFunc(tests_passed, 1.0), RewardFunc(good_call, 0.1, per_turn=True),

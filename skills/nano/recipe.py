@@ -10,8 +10,9 @@ from skillswarm.protocol.errors import ModelError, SkillError
 from skillswarm.protocol.hashing import sha256_bytes
 from skillswarm.skills.skill import Skill
 
-# Bump when the build code changes what a recipe produces (tokenizer, data rendering, training loop).
-RECIPE_VERSION = 7
+# Bump when the build code changes what a recipe produces (tokenizer, data rendering, training loop, a built-in
+# skill's tasks). 8: code v2 draws every task of its space as likely.
+RECIPE_VERSION = 8
 
 
 @dataclass(frozen=True)
