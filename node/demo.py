@@ -60,7 +60,7 @@ class DemoConfig:
     rounds: int = 4
     # The same steps for every skill (time-boxed rounds starve the slow, multi-turn ones): the network's default.
     steps_per_round: int = RoundPolicy().steps_per_round
-    # A cap on each round's training, a safety net for slow machines: 50 steps of calc (5x the tokens of the other
+    # A cap on each round's training, a safety net for slow machines: 50 steps of calc (3.5-6x the tokens of the other
     # skills' steps) took 65 s on one 2-core machine and about 3 minutes on a slower one, where a 2-minute cap
     # ended its rounds at 12-23 steps (README, "The swarm on a second machine").
     minutes_per_round: float | None = 3.0

@@ -205,10 +205,10 @@ class _Run:
 
     def _deadline_passed(self) -> bool:
         """Whether `max_minutes` of training are spent. Loading, the anchors and the first eval do not count: they
-        cost calc's worker 30-60 s before its first step on a slow machine, and its 2-minute demo rounds ended at 12-23
-        of 50 steps."""
-        since = self.training_since
-        return self.cfg.max_minutes is not None and since is not None and time.monotonic() - since >= self.cfg.max_minutes * 60
+        cost calc's worker 30-60 s before its first step on a slow machine, and its 2-minute demo rounds ended at
+        12-23 of 50 steps."""
+        since, cap = self.training_since, self.cfg.max_minutes
+        return cap is not None and since is not None and time.monotonic() - since >= cap * 60
 
     async def _loop(self, feed: Feed, bar: "_Bar | None") -> None:
         cfg, trainer = self.cfg, self.trainer
