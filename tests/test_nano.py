@@ -110,6 +110,7 @@ def test_base_build_cli(tmp_path: Path) -> None:
     out = tmp_path / "nano"
     first = json.loads(run_cli("base", "build", "--out", str(out), "--steps", "2", "--json", timeout=300).stdout)
     assert first["cached"] is False and Path(first["path"]) == out and first["weights_hash"] == weights_hash(out)
+    assert first["kernels"] == build_info(out)["kernels"]  # what the weights were trained on is on record
     again = json.loads(run_cli("base", "build", "--steps", "2", "--json").stdout)
     assert again["cached"] is True and again["weights_hash"] == first["weights_hash"]
     taken = tmp_path / "taken"

@@ -23,7 +23,7 @@ def build_with_progress(out: Path | None = None, recipe: NanoRecipe | None = Non
 
     recipe = pin_plugins(recipe or DEFAULT_RECIPE)
     if is_built(cached_path(recipe)) and not force:
-        return build_base(out, seed=recipe.seed, recipe=recipe)
+        return build_base(out, recipe=recipe)
     columns = (TextColumn("[bold]warm-up"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.fields[info]}"))
 
@@ -34,10 +34,10 @@ def build_with_progress(out: Path | None = None, recipe: NanoRecipe | None = Non
     # The bar's total is the step cap; the warm-up usually stops sooner, once every skill is calibrated.
     with Progress(*columns, console=err_console, transient=False) as bar:
         task = bar.add_task("warm-up", total=recipe.steps, info="")
-        return build_base(out, seed=recipe.seed, recipe=recipe, force=force, progress=show)
+        return build_base(out, recipe=recipe, force=force, progress=show)
 
 
-def build_recipe(seed: int = 0, steps: int | None = None, with_code: bool = False, skills: list[str] | None = None,
+def build_recipe(seed: int = NanoRecipe.seed, steps: int | None = None, with_code: bool = False, skills: list[str] | None = None,
                  with_plugins: bool = False) -> NanoRecipe:
     """The recipe the options ask for: the default recipe's settings plus the added skills, each plugin
     pinned to its installed version (so the cache key changes with it)."""
@@ -61,7 +61,7 @@ def build_recipe(seed: int = 0, steps: int | None = None, with_code: bool = Fals
 @app.command("build")
 def build(
     out: Annotated[Optional[Path], typer.Option(help="Also copy the model here (default: only the cache).")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the initial weights and the warm-up data.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the initial weights and the warm-up data.")] = NanoRecipe.seed,
     steps: Annotated[Optional[int], typer.Option(help="Cap on warm-up steps (default: the recipe's).", min=1)] = None,
     force: Annotated[bool, typer.Option(help="Rebuild even when the recipe is cached; overwrite --out.")] = False,
     with_code: Annotated[bool, typer.Option("--with-code", help="Also warm up the `code` skill (its tasks run in "
@@ -91,7 +91,9 @@ def build(
               **{k: info[k] for k in ("recipe_hash", "weights_hash", "parameters", "steps", "final_loss",
                                       "validation_accuracy", "build_seconds")},
               # by kind of task, for skills with more than one (absent from builds made before kinds existed)
-              **({"validation_by_kind": info["validation_by_kind"]} if info.get("validation_by_kind") else {})}
+              **({"validation_by_kind": info["validation_by_kind"]} if info.get("validation_by_kind") else {}),
+              # the float kernels it was trained on (absent from builds made before they were pinned)
+              **({"kernels": info["kernels"]} if info.get("kernels") else {})}
     if json_out:
         print_json(result)
         return

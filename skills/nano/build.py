@@ -3,7 +3,9 @@
 The result is a Hugging Face directory (config.json, generation_config.json, model.safetensors,
 tokenizer files with the chat template, and `nano_recipe.json`, written last as the completeness
 marker) that loads with `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained`.
-Built models are cached under `<cache dir>/base/nano-<recipe hash>`.
+Built models are cached under `<cache dir>/base/nano-<recipe hash>`. The training runs in a process of
+its own on pinned float kernels (`build_process`, `kernels`), so a recipe builds the same weights on every
+x86-64 CPU with AVX2.
 """
 
 from __future__ import annotations
@@ -12,13 +14,12 @@ import json
 import logging
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 from skillswarm.protocol.atomic import atomic_write_text
 from skillswarm.protocol.errors import ModelError
-from skillswarm.protocol.hashing import weights_hash
 from skillswarm.protocol.paths import cache_dir
+from skillswarm.skills.nano.build_process import run_build
 from skillswarm.skills.nano.recipe import DEFAULT_RECIPE, NanoRecipe, pin_plugins
 from skillswarm.skills.nano.warmup import Progress
 
@@ -31,9 +32,10 @@ def cached_path(recipe: NanoRecipe = DEFAULT_RECIPE) -> Path:
     return cache_dir() / "base" / f"nano-{recipe.hash()[:16]}"
 
 
-def default_model_dir(seed: int = 0) -> Path:
-    """The cached default nano model's directory (it may not be built yet; see `build_base`)."""
-    return cached_path(DEFAULT_RECIPE.with_(seed=seed))
+def default_model_dir(seed: int | None = None) -> Path:
+    """The cached default nano model's directory, of `seed` (default: the recipe's) (it may not be built yet;
+    see `build_base`)."""
+    return cached_path(DEFAULT_RECIPE if seed is None else DEFAULT_RECIPE.with_(seed=seed))
 
 
 def is_built(path: Path) -> bool:
@@ -47,38 +49,6 @@ def build_info(path: Path) -> dict[str, object]:
         return json.loads((path / MARKER).read_text())
     except (OSError, ValueError) as e:
         raise ModelError(f"{path} is not a complete nano model build ({e}); rebuild it with `skillswarm base build`") from e
-
-
-def _train_into(directory: Path, recipe: NanoRecipe, progress: Progress | None) -> dict[str, object]:
-    import torch
-
-    from skillswarm.skills.nano.tokenizer import build_tokenizer
-    from skillswarm.skills.nano.warmup import make_model, warm_up
-    from skillswarm.skills.registry import get_skill
-
-    start = time.monotonic()
-    tokenizer = build_tokenizer()
-    skills = [get_skill(name) for name in recipe.skills]
-    # One thread: the model is so small that more threads barely help on idle cores and slow it down
-    # many times over on busy ones (OpenMP threads spin against other processes); it also keeps the
-    # arithmetic, hence the weights, the same whatever the machine's core count.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(recipe.seed)
-        model = make_model(recipe, tokenizer)
-        result = warm_up(model, tokenizer, skills, recipe, progress)
-    finally:
-        torch.set_num_threads(threads)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return {
-        "recipe": recipe.as_dict(), "recipe_hash": recipe.hash(), "weights_hash": weights_hash(directory),
-        "parameters": sum(p.numel() for p in model.parameters()), **result,
-        "build_seconds": round(time.monotonic() - start, 2),
-    }
 
 
 def _install(tmp: Path, target: Path) -> None:
@@ -97,7 +67,7 @@ def _build_into(target: Path, recipe: NanoRecipe, progress: Progress | None) -> 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".nano-build-", dir=target.parent))
     try:
-        info = _train_into(tmp, recipe, progress)
+        info = run_build(tmp, recipe, progress)
         atomic_write_text(tmp / MARKER, json.dumps(info, indent=2, sort_keys=True) + "\n")
         _install(tmp, target)
     finally:
@@ -105,15 +75,16 @@ def _build_into(target: Path, recipe: NanoRecipe, progress: Progress | None) -> 
     log.info("built nano model %s in %.1fs (loss %.3f)", target, info["build_seconds"], info["final_loss"])
 
 
-def build_base(out_dir: Path | None = None, seed: int = 0, recipe: NanoRecipe | None = None, *, force: bool = False,
+def build_base(out_dir: Path | None = None, seed: int | None = None, recipe: NanoRecipe | None = None, *, force: bool = False,
                cache: bool = True, progress: Progress | None = None) -> Path:
     """Build the nano base model and return its directory.
 
     With `cache` (default) the model is built once per recipe into the cache dir and reused; `out_dir`
     then receives a copy. Without it, the model is built straight into `out_dir`. `force` rebuilds
-    even when cached. `seed` overrides the recipe's seed (part of the cache key). Plugin skills are pinned
+    even when cached. `seed`, when given, overrides the recipe's seed (part of the cache key). Plugin skills are pinned
     to their installed versions first (`pin_plugins`), so another version of a plugin is another build."""
-    recipe = pin_plugins((recipe or DEFAULT_RECIPE).with_(seed=seed))
+    recipe = recipe or DEFAULT_RECIPE
+    recipe = pin_plugins(recipe if seed is None else recipe.with_(seed=seed))
     out = Path(out_dir).expanduser().resolve() if out_dir is not None else None
     if out is not None:
         _check_out(out, force)

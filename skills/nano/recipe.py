@@ -11,8 +11,9 @@ from skillswarm.protocol.hashing import sha256_bytes
 from skillswarm.skills.skill import Skill
 
 # Bump when the build code changes what a recipe produces (tokenizer, data rendering, training loop, a built-in
-# skill's tasks). 8: code v2 draws every task of its space as likely.
-RECIPE_VERSION = 8
+# skill's tasks). 8: code v2 draws every task of its space as likely. 9: the build runs on pinned float
+# kernels (`skillswarm.skills.nano.kernels`), so a recipe's weights are the same on every AVX2 CPU.
+RECIPE_VERSION = 9
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,16 @@ class NanoRecipe:
             data["plugins"] = {name: {"version": v, "distribution": d, "distribution_version": dv}
                                for name, v, d, dv in plugins}
         return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> "NanoRecipe":
+        """The recipe `as_dict` wrote (lists back to tuples, plugins back to pins)."""
+        fields = dict(data)
+        plugins = fields.pop("plugins", None) or {}
+        tuples = {k: tuple(fields[k]) for k in ("skills", "weights", "pooled") if k in fields}  # type: ignore[arg-type]
+        pins = tuple((name, p["version"], p["distribution"], p["distribution_version"])  # type: ignore[index]
+                     for name, p in plugins.items())  # type: ignore[union-attr]
+        return cls(**{**fields, **tuples, "plugins": pins})  # type: ignore[arg-type]
 
     def hash(self) -> str:
         """sha256 of the canonical JSON of the settings and the recipe version."""
