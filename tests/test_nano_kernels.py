@@ -61,9 +61,13 @@ def test_a_cpu_without_avx2_is_not_pinned_and_the_record_says_so(tmp_path: Path)
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse sse2 avx\n")
     assert not has_avx2(cpuinfo)
-    env, label = build_env({"PATH": "/bin"})
-    assert env["OMP_NUM_THREADS"] == "1" and env["PATH"] == "/bin"
-    assert (env.get("ATEN_CPU_CAPABILITY") == "avx2") == has_avx2() and (label == PINNED_LABEL) == has_avx2()
+    env, label = build_env({"PATH": "/bin"}, cpuinfo)
+    assert env == {"PATH": "/bin", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"} and label.startswith("native")
+    avx2 = tmp_path / "cpuinfo-avx2"
+    avx2.write_text("processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma\n")
+    env, label = build_env({"PATH": "/bin"}, avx2)
+    x86 = has_avx2(avx2)  # False on a CPU that is not x86-64, whatever its cpuinfo says
+    assert (env.get("ATEN_CPU_CAPABILITY") == "avx2") == x86 and (label == PINNED_LABEL) == x86
 
 
 def test_an_error_in_the_build_process_arrives_as_itself_and_leaves_nothing(tmp_path: Path) -> None:

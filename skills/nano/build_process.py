@@ -85,7 +85,13 @@ def run_build(directory: Path, recipe: NanoRecipe, progress: Progress | None = N
             proc.stdin.write(json.dumps(recipe.as_dict()))
             proc.stdin.close()
             for line in proc.stdout:
-                message = json.loads(line)
+                try:
+                    message = json.loads(line)
+                except ValueError:  # not a message: kept in the log, never a traceback
+                    log.debug("nano build process: %s", line.rstrip())
+                    continue
+                if not isinstance(message, dict):
+                    continue
                 if "step" in message and progress is not None:
                     progress(message["step"], message["total"], message["info"])
                 elif "error" in message:

@@ -39,9 +39,9 @@ def has_avx2(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     return "avx2" in flags.split()
 
 
-def build_env(base: dict[str, str]) -> tuple[dict[str, str], str]:
-    """The environment for the build's process (`base` plus the pins, where this CPU takes them) and a
-    label of the kernels it gets, for the build record."""
-    if has_avx2():
+def build_env(base: dict[str, str], cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[dict[str, str], str]:
+    """The environment for the build's process (`base` plus the pins, where the CPU `cpuinfo` describes takes
+    them) and a label of the kernels it gets, for the build record."""
+    if has_avx2(cpuinfo):
         return {**base, **PINNED_ENV}, PINNED_LABEL
     return {**base, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}, f"native ({platform.machine() or 'unknown CPU'}), 1 thread"
