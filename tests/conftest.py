@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -47,11 +50,37 @@ def tiny_model_dir(tmp_path: Path) -> Path:
     return d
 
 
+# The nano model's build trains on one pinned thread in a process of its own (`skills.nano.build_process`),
+# so it starts as soon as collection shows a test needs it and runs beside the first tests on the other core.
+_nano_build: Future[Path] | None = None
+_nano_dir: Path | None = None
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start building the test nano model in the background when a collected test uses it."""
+    global _nano_build, _nano_dir
+    if any("nano_model" in getattr(item, "fixturenames", ()) for item in session.items):
+        from skillswarm.skills.nano.build import build_base
+        from skillswarm.skills.nano.recipe import TEST_RECIPE
+
+        _nano_dir = Path(tempfile.mkdtemp(prefix="skillswarm-test-nano-"))
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nano-build")
+        _nano_build = pool.submit(build_base, _nano_dir / "model", recipe=TEST_RECIPE, cache=False)
+        pool.shutdown(wait=False)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Wait for a build still running (its process is ours to end), then remove it."""
+    if _nano_build is not None:
+        _nano_build.exception()
+    if _nano_dir is not None:
+        shutil.rmtree(_nano_dir, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
-def nano_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def nano_model() -> Path:
     """A real nano model (HF directory), built once per test session with the test recipe: the same
     code path as `skillswarm base build`, a shorter warm-up. For every test that needs a real model."""
-    from skillswarm.skills.nano.build import build_base
-    from skillswarm.skills.nano.recipe import TEST_RECIPE
-
-    return build_base(tmp_path_factory.mktemp("nano") / "model", recipe=TEST_RECIPE, cache=False)
+    if _nano_build is None:
+        raise RuntimeError("the nano model build did not start at collection: is conftest's hook registered?")
+    return _nano_build.result()
