@@ -59,6 +59,8 @@ _nano_dir: Path | None = None
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start building the test nano model in the background when a collected test uses it."""
     global _nano_build, _nano_dir
+    if session.config.option.collectonly:
+        return
     if any("nano_model" in getattr(item, "fixturenames", ()) for item in session.items):
         from skillswarm.skills.nano.build import build_base
         from skillswarm.skills.nano.recipe import TEST_RECIPE
