@@ -56,12 +56,10 @@ _nano_build: Future[Path] | None = None
 _nano_dir: Path | None = None
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start building the test nano model in the background when a collected test uses it."""
+def _start_nano_build() -> Future[Path]:
+    """Start the test nano model's build on a background thread, once; its future."""
     global _nano_build, _nano_dir
-    if session.config.option.collectonly:
-        return
-    if any("nano_model" in getattr(item, "fixturenames", ()) for item in session.items):
+    if _nano_build is None:
         from skillswarm.skills.nano.build import build_base
         from skillswarm.skills.nano.recipe import TEST_RECIPE
 
@@ -69,6 +67,14 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nano-build")
         _nano_build = pool.submit(build_base, _nano_dir / "model", recipe=TEST_RECIPE, cache=False)
         pool.shutdown(wait=False)
+    return _nano_build
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start building the test nano model in the background when a collected test uses it."""
+    if not session.config.option.collectonly and any(
+            "nano_model" in getattr(item, "fixturenames", ()) for item in session.items):
+        _start_nano_build()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -83,6 +89,4 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 def nano_model() -> Path:
     """A real nano model (HF directory), built once per test session with the test recipe: the same
     code path as `skillswarm base build`, a shorter warm-up. For every test that needs a real model."""
-    if _nano_build is None:
-        raise RuntimeError("the nano model build did not start at collection: is conftest's hook registered?")
-    return _nano_build.result()
+    return _start_nano_build().result()  # started at collection unless a test asks for it at run time
