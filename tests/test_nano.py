@@ -15,7 +15,7 @@ from skillswarm.skills.episode import Message
 from skillswarm.skills.nano.build import build_base, build_info, cached_path
 from skillswarm.skills.nano.recipe import DEFAULT_RECIPE, NanoRecipe
 from skillswarm.skills.nano.tokenizer import CHARS, build_tokenizer
-from skillswarm.skills.nano.warmup import by_stratum, keeps_training
+from skillswarm.skills.nano.warmup import by_stratum, keeps_training, replay_rows, step_rows
 from skillswarm.skills.registry import get_skill
 from skillswarm.skills.toolcall import PROTOCOL_TOKENS
 from tests.conftest import run_cli
@@ -121,7 +121,7 @@ def test_base_build_cli(tmp_path: Path) -> None:
 
 
 def test_warm_up_pauses_a_skill_only_when_every_kind_of_task_is_solved_at_the_floor() -> None:
-    r = DEFAULT_RECIPE  # target 0.3, floor 0.15
+    r = DEFAULT_RECIPE.with_(target_accuracy=0.3, floor_accuracy=0.15)
     assert not keeps_training(True, 0.35, {"": 0.35}, r)  # one kind: the target alone decides
     # calc at 30% by solving its a*b tasks only: it trains on (RL could never learn the tails)
     assert keeps_training(True, 0.31, {"a*b": 0.95, "a*b+c": 0.0, "a*b-c": 0.05}, r)
@@ -129,6 +129,22 @@ def test_warm_up_pauses_a_skill_only_when_every_kind_of_task_is_solved_at_the_fl
     assert not keeps_training(False, 0.2, {"a*b": 0.5, "a*b+c": 0.05, "a*b-c": 0.1}, r)  # paused: within the band
     assert keeps_training(False, 0.2, {"a*b": 0.6, "a*b+c": 0.0, "a*b-c": 0.1}, r)  # forgot a kind entirely
     assert keeps_training(False, 0.1, {"": 0.1}, r)
+
+
+def test_a_paused_skill_keeps_a_replay_share_of_its_rows() -> None:
+    r = DEFAULT_RECIPE
+    assert replay_rows(16, r.with_(replay_share=0.25)) == 4
+    assert replay_rows(2, r.with_(replay_share=0.25)) == 1  # never rounded away to nothing
+    assert replay_rows(16, r.with_(replay_share=0.0)) == 0  # 0: paused outright, as before recipe 10
+    assert replay_rows(16, r.with_(replay_share=1.0)) == 16
+    with pytest.raises(ModelError, match="replay_share"):
+        r.with_(replay_share=1.5)
+    # weights 2, 2, 1, 1: the rows the paused skills free go to those still training, by weight
+    r, rows = r.with_(replay_share=0.25), [16, 16, 8, 8]
+    assert step_rows(rows, [True] * 4, r) == rows
+    assert step_rows(rows, [True, True, False, False], r) == [22, 22, 2, 2]
+    assert step_rows(rows, [True, False, False, False], r) == [40, 4, 2, 2]
+    assert step_rows(rows, [False] * 4, r) == [4, 4, 2, 2]  # the warm-up is over then; nothing to hand on
 
 
 def test_by_stratum_and_calc_kinds() -> None:

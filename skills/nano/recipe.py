@@ -12,17 +12,20 @@ from skillswarm.skills.skill import Skill
 
 # Bump when the build code changes what a recipe produces (tokenizer, data rendering, training loop, a built-in
 # skill's tasks). 8: code v2 draws every task of its space as likely. 9: the build runs on pinned float
-# kernels (`skillswarm.skills.nano.kernels`), so a recipe's weights are the same on every AVX2 CPU.
-RECIPE_VERSION = 9
+# kernels (`skillswarm.skills.nano.kernels`), so a recipe's weights are the same on every AVX2 CPU. 10: a paused
+# skill keeps training on `replay_share` of its rows (paused outright, it collapsed within 25 steps), the rows it
+# frees go to the skills still training, and every row's loss has the same weight.
+RECIPE_VERSION = 10
 
 
 @dataclass(frozen=True)
 class NanoRecipe:
     """Model shape, warm-up schedule, data mix (`weights`: each skill's share of a batch), the calibration
-    that stops each skill at `target_accuracy`, and the skills (`pooled`) whose warm-up tasks come from a
-    fixed pool of `pool_size` played up front (see `skillswarm.skills.nano.warmup`). `plugins` pins each
-    third-party skill as (name, Skill.version, distribution, distribution version), so a changed plugin
-    changes the hash; `pin_plugins` fills it from what is installed."""
+    that pauses each skill at `target_accuracy` (a paused skill still trains on `replay_share` of its rows),
+    and the skills (`pooled`) whose warm-up tasks come from a fixed pool of `pool_size` played up front (see
+    `skillswarm.skills.nano.warmup`). `plugins` pins each third-party skill as (name, Skill.version,
+    distribution, distribution version), so a changed plugin changes the hash; `pin_plugins` fills it from
+    what is installed."""
 
     seed: int = 0
     hidden_size: int = 64
@@ -39,8 +42,9 @@ class NanoRecipe:
     grad_clip: float = 1.0
     skills: tuple[str, ...] = ("arith", "calc", "reverse", "sort")
     weights: tuple[float, ...] = (2.0, 2.0, 1.0, 1.0)
-    target_accuracy: float = 0.3
-    floor_accuracy: float = 0.15
+    target_accuracy: float = 0.2
+    floor_accuracy: float = 0.1
+    replay_share: float = 0.1
     check_every: int = 25
     val_tasks: int = 64
     pooled: tuple[str, ...] = ("code",)
@@ -56,6 +60,8 @@ class NanoRecipe:
             raise ModelError("a nano recipe needs steps >= 1, batch_size >= 1 and hidden_size divisible by heads")
         if self.pool_size < 1:
             raise ModelError("a nano recipe needs pool_size >= 1")
+        if not 0 <= self.replay_share <= 1:
+            raise ModelError(f"a nano recipe needs 0 <= replay_share <= 1, got {self.replay_share}")
         if not 0 <= self.floor_accuracy <= self.target_accuracy <= 1 or self.check_every < 1 or self.val_tasks < 1:
             raise ModelError("a nano recipe needs 0 <= floor_accuracy <= target_accuracy <= 1, check_every >= 1, val_tasks >= 1")
         if len(set(self.skills)) != len(self.skills):

@@ -6,9 +6,14 @@ Deliberately partial: the model should be partly competent on every skill, so th
 improve it. Tiny models learn these skills in sudden jumps, at different times, so a fixed step count
 would leave one skill at 0% and another at 95%. Instead a controller watches each skill's accuracy on a
 validation set drawn from the *train* split (held out from the warm-up data; the eval split is never
-seen) and stops training a skill once it reaches `target_accuracy` with every kind of its tasks
+seen) and pauses a skill once it reaches `target_accuracy` with every kind of its tasks
 (`TaskBank.stratum`) at `floor_accuracy` or above, resuming it if it falls below `floor_accuracy` or
-stops solving some kind at all; the warm-up ends when every skill is paused, or after `steps`. (Without
+stops solving some kind at all; the warm-up ends when every skill is paused, or after `steps`. A paused
+skill still trains on `replay_share` of its rows, and the rest of its rows go to the skills still
+training: paused outright, a skill lost what it had within 25 steps (the others train the shared first
+tokens their own way), so the warm-up's end caught each skill at a random point of a 0%-90% flip; and
+the slowest skill (arith) gets most of the batch once the others are paused, so they overshoot less
+while they wait for it. (Without
 the per-kind check, calc paused at 30% by solving 90% of its a*b tasks and none with a third number: RL
 cannot learn a kind the model never solves, so calc stalled there.) Accuracy is measured
 teacher-forced: a demonstration counts as solved when the model's argmax is right at every one of its
@@ -131,6 +136,24 @@ def rows_per_skill(recipe: NanoRecipe) -> list[int]:
     return [max(1, round(recipe.batch_size * w / total)) for w in recipe.weights]
 
 
+def replay_rows(rows: int, recipe: NanoRecipe) -> int:
+    """Rows a paused skill still trains on each step: `replay_share` of its `rows`, at least one unless the
+    share is 0."""
+    return 0 if recipe.replay_share == 0 else max(1, round(rows * recipe.replay_share))
+
+
+def step_rows(rows: list[int], active: list[bool], recipe: NanoRecipe) -> list[int]:
+    """Each skill's rows in one step: a paused skill gets its replay rows, and the rows it frees go to the
+    skills still training, by weight, so every step trains on about `batch_size` rows and the skills still
+    short of their target get there sooner (the others overshoot less while they wait)."""
+    out = [n if a else replay_rows(n, recipe) for n, a in zip(rows, active)]
+    freed = sum(rows) - sum(out)
+    live = sum(w for w, a in zip(recipe.weights, active) if a)
+    if freed and live:
+        out = [k + (round(freed * w / live) if a else 0) for k, w, a in zip(out, recipe.weights, active)]
+    return out
+
+
 def keeps_training(active: bool, accuracy: float, strata: dict[str, float], recipe: NanoRecipe) -> bool:
     """Whether a skill trains on: an active one until it reaches the target with every kind of task at the
     floor or above; a paused one again once it falls below the floor or solves none of some kind."""
@@ -197,8 +220,9 @@ def warm_up(model: torch.nn.Module, tokenizer: Any, skills: list[Skill], recipe:
     """Train `model` in place (see the module docstring); returns the steps taken, the last loss and
     the validation accuracy of each skill.
 
-    A step covers every active skill: one micro-batch per skill (their lengths differ a lot, so no
-    padding across skills), gradients accumulated with the skill's weight, one optimizer step."""
+    A step covers every skill: one micro-batch per skill (their lengths differ a lot, so no padding across
+    skills) of its `step_rows`, each row's loss at the same weight (gradients accumulated), one optimizer
+    step."""
     rng = random.Random(recipe.seed)
     rows = rows_per_skill(recipe)
     data = [_SkillData(s, tokenizer, recipe, random.Random(rng.randrange(2**31)), n) for s, n in zip(skills, rows)]
@@ -206,7 +230,6 @@ def warm_up(model: torch.nn.Module, tokenizer: Any, skills: list[Skill], recipe:
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.98))
-    scale = [w / sum(recipe.weights) for w in recipe.weights]
     accuracy = {s.name: 0.0 for s in skills}
     loss_value, step = float("nan"), 0
     model.train()
@@ -215,9 +238,9 @@ def warm_up(model: torch.nn.Module, tokenizer: Any, skills: list[Skill], recipe:
             group["lr"] = lr_at(step, recipe)
         opt.zero_grad(set_to_none=True)
         loss_value = 0.0
-        for d, n, w in zip(data, rows, scale):
-            if d.active:
-                loss = model(**d.sample(n)).loss * w
+        for d, k in zip(data, step_rows(rows, [d.active for d in data], recipe)):
+            if k:
+                loss = model(**d.sample(k)).loss * (k / sum(rows))
                 loss.backward()
                 loss_value += loss.detach().item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
