@@ -8,16 +8,17 @@ would leave one skill at 0% and another at 95%. Instead a controller watches eac
 validation set drawn from the *train* split (held out from the warm-up data; the eval split is never
 seen) and pauses a skill once it reaches `target_accuracy` with every kind of its tasks
 (`TaskBank.stratum`) at `floor_accuracy` or above, resuming it if it falls below `floor_accuracy` or
-stops solving some kind at all; the warm-up ends when every skill is paused, or after `steps`. A paused
-skill still trains on `replay_share` of its rows, and the rest of its rows go to the skills still
-training: paused outright, a skill lost what it had within 25 steps (the others train the shared first
-tokens their own way), so the warm-up's end caught each skill at a random point of a 0%-90% flip; and
-the slowest skill (arith) gets most of the batch once the others are paused, so they overshoot less
-while they wait for it. (Without
+stops solving some kind at all; the warm-up ends when every skill is paused, or after `steps`. (Without
 the per-kind check, calc paused at 30% by solving 90% of its a*b tasks and none with a third number: RL
-cannot learn a kind the model never solves, so calc stalled there.) Accuracy is measured
-teacher-forced: a demonstration counts as solved when the model's argmax is right at every one of its
-tokens, which is exactly when greedy decoding would replay it (the environments are deterministic).
+cannot learn a kind the model never solves, so calc stalled there.) Accuracy is measured teacher-forced:
+a demonstration counts as solved when the model's argmax is right at every one of its tokens, which is
+exactly when greedy decoding would replay it (the environments are deterministic).
+
+A paused skill still trains on `replay_share` of its rows, and the rest of its rows go to the skills
+still training. Paused outright, a skill lost what it had within 25 steps (the others train the shared
+first tokens their own way), so the warm-up's end caught each skill at a random point of a 0%-90% flip.
+Handing its rows on gives the slowest skill (arith) most of the batch once the others are paused, so
+they overshoot less while they wait for it.
 
 Each task is played once (its messages are kept). Skills named in `recipe.pooled` (those whose
 environment starts a sandbox per tool call, like `code`) draw their warm-up tasks from a fixed pool of
@@ -225,6 +226,7 @@ def warm_up(model: torch.nn.Module, tokenizer: Any, skills: list[Skill], recipe:
     step."""
     rng = random.Random(recipe.seed)
     rows = rows_per_skill(recipe)
+    total_rows = sum(rows)
     data = [_SkillData(s, tokenizer, recipe, random.Random(rng.randrange(2**31)), n) for s, n in zip(skills, rows)]
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -240,7 +242,7 @@ def warm_up(model: torch.nn.Module, tokenizer: Any, skills: list[Skill], recipe:
         loss_value = 0.0
         for d, k in zip(data, step_rows(rows, [d.active for d in data], recipe)):
             if k:
-                loss = model(**d.sample(k)).loss * (k / sum(rows))
+                loss = model(**d.sample(k)).loss * (k / total_rows)
                 loss.backward()
                 loss_value += loss.detach().item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
