@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from skillswarm.node.rl.engines.hf import HFEngine
-from skillswarm.node.rl.evaluation import evaluate
+from skillswarm.node.rl.evaluation import accuracy_by_kind, evaluate
 from skillswarm.node.rl.rollout import run_episodes
 from skillswarm.skills.chat import encode, render
 from skillswarm.skills.environment import Environment
@@ -168,11 +168,28 @@ def test_evaluate_counts_every_outcome_including_env_errors(engine: HFEngine) ->
     assert bad.outcomes["env_error"] == 5 and bad.accuracy == 0.0 and bad.mean_reward == 0.0
 
 
+def test_evaluate_splits_accuracy_by_kind_of_task(engine: HFEngine) -> None:
+    """calc mixes a*b with a*b+c and a*b-c: the result counts each kind apart, from the same rollouts."""
+    calc = get_skill("calc")
+    result = evaluate(engine, calc, n=30)
+    kinds = [calc.tasks.stratum(t) for t in calc.tasks.eval_tasks(30)]
+    assert set(result.by_kind) == set(kinds) == {"a*b", "a*b+c", "a*b-c"}
+    for kind, got in result.by_kind.items():
+        mine = [r.episode.correct for r, k in zip(result.rollouts, kinds) if k == kind]
+        assert got == {"n": len(mine), "accuracy": round(sum(mine) / len(mine), 6)}
+    assert result.as_json()["by_kind"] == result.by_kind
+    one = evaluate(engine, "arith", n=8)  # one kind: nothing to split
+    assert one.by_kind == {} and "by_kind" not in one.as_json()
+    with pytest.raises(ValueError, match="2 kinds for 1 rollouts"):
+        accuracy_by_kind(["a", "b"], result.rollouts[:1])
+
+
 def test_eval_cli_prints_the_json_keys(nano_model: Path) -> None:
     out = json.loads(run_cli("eval", "--model", str(nano_model), "--skill", "reverse", "--n", "10", "--json").stdout)
     assert set(out) == {"skill", "n", "accuracy", "mean_reward", "outcomes", "rubric"}
     assert out["skill"] == "reverse" and out["n"] == 10 and sum(out["outcomes"].values()) == 10
     text = run_cli("eval", "--model", str(nano_model), "--skill", "calc", "--n", "4").stdout
     assert "accuracy" in text and "timeout" in text and "tool_calls_made" in text  # a weight-0 metric of calc's rubric
+    assert "by kind of task" in text and "a*b+c" in text  # its first 4 held-out tasks hold all three kinds
     proc = run_cli("eval", "--model", str(nano_model), "--skill", "nope", check=False)
     assert proc.returncode == 1 and "unknown skill" in proc.stderr

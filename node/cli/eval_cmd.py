@@ -63,6 +63,9 @@ def _print_result(name: str, model_dir: Path, result: Any) -> None:
                   f"({round(result.accuracy * result.n)}/{result.n}), mean reward {result.mean_reward:.3f}, "
                   f"{result.seconds:.1f}s", highlight=False)
     console.print(table("outcomes", ["outcome", "episodes"], [[k, v] for k, v in result.outcomes.items()]))
+    if result.by_kind:
+        console.print(table("by kind of task", ["kind", "episodes", "accuracy"],
+                            [[escape(k), int(v["n"]), f"{v['accuracy']:.1%}"] for k, v in result.by_kind.items()]))
     if result.rubric:
         console.print(table("rubric (mean per episode; weight-0 metrics included)", ["reward function", "mean"],
                             [[k, f"{v:.4g}"] for k, v in result.rubric.items()]))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from skillswarm.node.rl.config import EVAL_N
 from skillswarm.node.rl.engines.base import InferenceEngine
@@ -32,11 +32,15 @@ class EvalResult:
     seconds: float = 0.0
     rollouts: list[Rollout] = field(default_factory=list, repr=False)
     rubric: dict[str, float] = field(default_factory=dict)  # each reward function's mean, weight-0 metrics included
+    # Per kind of task (`TaskBank.stratum`), where the skill mixes kinds: {kind: {"n", "accuracy"}}. A skill can
+    # solve one kind and none of another (calc: every a*b, few a*b+c), which one accuracy hides.
+    by_kind: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, object]:
         """The `skillswarm eval --json` object."""
         return {"skill": self.skill, "n": self.n, "accuracy": self.accuracy, "mean_reward": self.mean_reward,
-                "outcomes": dict(self.outcomes), "rubric": dict(self.rubric)}
+                "outcomes": dict(self.outcomes), "rubric": dict(self.rubric),
+                **({"by_kind": {k: dict(v) for k, v in self.by_kind.items()}} if self.by_kind else {})}
 
 
 def rubric_means(episodes: list[dict[str, float]]) -> dict[str, float]:
@@ -50,8 +54,22 @@ def rubric_means(episodes: list[dict[str, float]]) -> dict[str, float]:
     return {name: round(sums[name] / counts[name], 6) for name in sorted(sums)}
 
 
-def summarize(skill: str, rollouts: list[Rollout], seconds: float = 0.0) -> EvalResult:
-    """Accuracy, mean reward and outcome counts of finished rollouts."""
+def accuracy_by_kind(kinds: Sequence[str], rollouts: Sequence[Rollout]) -> dict[str, dict[str, float]]:
+    """Episodes and accuracy per kind of task (one kind per rollout, in order); empty for a single kind."""
+    if len(kinds) != len(rollouts):
+        raise ValueError(f"{len(kinds)} kinds for {len(rollouts)} rollouts")
+    if len(set(kinds)) < 2:
+        return {}
+    tally: dict[str, list[int]] = {}
+    for kind, r in zip(kinds, rollouts):
+        counts = tally.setdefault(kind, [0, 0])
+        counts[0] += 1
+        counts[1] += bool(r.episode.correct)
+    return {k: {"n": n, "accuracy": round(ok / n, 6)} for k, (n, ok) in sorted(tally.items())}
+
+
+def summarize(skill: str, rollouts: list[Rollout], seconds: float = 0.0, kinds: Sequence[str] = ()) -> EvalResult:
+    """Accuracy, mean reward and outcome counts of finished rollouts (and per kind, given each one's kind)."""
     n = len(rollouts)
     outcomes = {o: 0 for o in OUTCOMES}
     for r in rollouts:
@@ -59,7 +77,7 @@ def summarize(skill: str, rollouts: list[Rollout], seconds: float = 0.0) -> Eval
     accuracy = sum(r.episode.correct for r in rollouts) / n if n else 0.0
     mean_reward = sum(r.reward for r in rollouts) / n if n else 0.0
     return EvalResult(skill, n, round(accuracy, 6), round(mean_reward, 6), outcomes, round(seconds, 3), rollouts,
-                      rubric_means([r.episode.rewards for r in rollouts]))
+                      rubric_means([r.episode.rewards for r in rollouts]), accuracy_by_kind(kinds, rollouts) if kinds else {})
 
 
 def evaluate(model: Path | str | InferenceEngine, skill: str | Skill, n: int = EVAL_N, seed: int = 0, *,
@@ -76,4 +94,4 @@ def evaluate(model: Path | str | InferenceEngine, skill: str | Skill, n: int = E
     start = time.monotonic()
     rollouts = run_episodes(engine, sk, tasks, seed, temperature=temperature, max_new_tokens=max_new_tokens,
                             max_tokens=max_tokens, sample_seed=seed if temperature > 0 else None, on_done=on_done)
-    return summarize(sk.name, rollouts, time.monotonic() - start)
+    return summarize(sk.name, rollouts, time.monotonic() - start, [sk.tasks.stratum(t) for t in tasks])

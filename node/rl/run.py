@@ -267,10 +267,11 @@ class _Run:
                                          max_new_tokens=self.cfg.max_new_tokens, max_tokens=self.cfg.max_tokens)
         record = {"kind": "eval", "step": self.state["step"], "n": result.n, "accuracy": result.accuracy,
                   "mean_reward": result.mean_reward, "outcomes": result.outcomes, "rubric": result.rubric,
-                  "seconds": result.seconds}
+                  "seconds": result.seconds, **({"by_kind": result.by_kind} if result.by_kind else {})}
         self.metrics.write(record)
         self.evals.append(record)
-        log.info("eval at step %d: accuracy %.3f", record["step"], result.accuracy)
+        kinds = ", ".join(f"{k} {v['accuracy']:.3f}" for k, v in result.by_kind.items())
+        log.info("eval at step %d: accuracy %.3f%s", record["step"], result.accuracy, f" ({kinds})" if kinds else "")
         return record
 
     def _finish(self, after: dict[str, Any] | None) -> TrainResult:
