@@ -15,16 +15,28 @@ from skillswarm.node.rl.engines.base import InferenceEngine
 from skillswarm.node.rl.rollout import Rollout, run_episodes
 from skillswarm.skills.registry import get_skill
 
+# Tasks played per skill, at most, in units of the `n` anchors asked for: a skill the start solves one time in
+# four still gets its n, so the skills it is weakest at (the ones still learning, whose gains a merge loses
+# first) are held as firmly as the ones it has mastered.
+MAX_TRIES = 4
+
 
 def anchor_episodes(engine: InferenceEngine, skills: Sequence[str], own: str, n: int, seed: int) -> list[Rollout]:
-    """The correct ones of `n` greedy episodes per skill of `skills` other than `own` (training tasks drawn with
-    `seed`): what the start gets right is what a merge can lose; holding its wrong answers in place only
-    blocks transfer."""
+    """Up to `n` correct greedy episodes per skill of `skills` other than `own` (on training tasks drawn with
+    `seed`, `n` at a time, at most MAX_TRIES * n): what the start gets right is what a merge can lose; holding
+    its wrong answers in place only blocks transfer."""
     episodes: list[Rollout] = []
     for name in skills:
         if name == own:
             continue
         skill = get_skill(name)
-        tasks = skill.tasks.train_tasks(n, seed)
-        episodes += [r for r in run_episodes(engine, skill, tasks, seed, temperature=0.0) if r.episode.correct and any(r.loss_mask)]
+        tasks = skill.tasks.train_tasks(n * MAX_TRIES, seed)
+        right: list[Rollout] = []
+        for start in range(0, len(tasks), n):
+            chunk = tasks[start:start + n]
+            right += [r for r in run_episodes(engine, skill, chunk, seed + start, temperature=0.0)
+                      if r.episode.correct and any(r.loss_mask)]
+            if len(right) >= n:
+                break
+        episodes += right[:n]
     return episodes

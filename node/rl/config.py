@@ -126,10 +126,10 @@ class TrainConfig:
     tis_cap: float = 2.0
     beta: float = 0.0
     # Keep other skills where they are: a KL from the starting policy on its own correct greedy episodes of these
-    # skills (of `retain_n` tasks each, new tasks every seed), so that a delta changes its own skill only. A worker
-    # retains its network's other skills (`node run --retain`, 0 turns it off); `train` the skills given. In the
-    # demo it made the four skills' deltas add up at lambda 1 (merged sum 289-293 points against 270-286 without it;
-    # README, "The swarm").
+    # skills (up to `retain_n` each, from at most anchor.MAX_TRIES * retain_n tasks, new tasks every seed), so that
+    # a delta changes its own skill only. A worker retains its network's other skills (`node run --retain`, 0 turns
+    # it off); `train` the skills given. In the demo it made the four skills' deltas add up at lambda 1 (merged sum
+    # 289-293 points against 270-286 without it; README, "The swarm").
     retain: float = 1.0
     retain_skills: tuple[str, ...] = ()
     retain_n: int = 32
