@@ -94,4 +94,4 @@ def evaluate(model: Path | str | InferenceEngine, skill: str | Skill, n: int = E
     start = time.monotonic()
     rollouts = run_episodes(engine, sk, tasks, seed, temperature=temperature, max_new_tokens=max_new_tokens,
                             max_tokens=max_tokens, sample_seed=seed if temperature > 0 else None, on_done=on_done)
-    return summarize(sk.name, rollouts, time.monotonic() - start, [sk.tasks.stratum(t) for t in tasks])
+    return summarize(sk.name, rollouts, time.monotonic() - start, [str(sk.tasks.stratum(t)) for t in tasks])
