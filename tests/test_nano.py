@@ -66,23 +66,20 @@ def test_warm_up_data_is_the_environment_rendering_with_model_tokens_masked(tok)
     assert "<result>" in tok.decode([i for i, m in zip(ids, mask) if not m])  # tool turns are there, masked
 
 
-def test_build_is_deterministic_from_the_seed(tmp_path: Path) -> None:
-    a = build_base(tmp_path / "a", recipe=TINY, cache=False)
-    b = build_base(tmp_path / "b", recipe=TINY, cache=False)
-    c = build_base(tmp_path / "c", recipe=TINY, seed=1, cache=False)
-    assert weights_hash(a) == weights_hash(b) != weights_hash(c)
-    info = build_info(a)
-    assert info["recipe_hash"] == TINY.hash() and info["weights_hash"] == weights_hash(a)
-    assert TINY.hash() != TINY.with_(seed=1).hash() != DEFAULT_RECIPE.hash()
-
-
-def test_build_is_cached_by_recipe_hash(isolated_home: Path, tmp_path: Path) -> None:
+def test_build_is_deterministic_from_the_seed_and_cached_by_recipe_hash(isolated_home: Path, tmp_path: Path) -> None:
     path = build_base(recipe=TINY)
     assert path == cached_path(TINY) and path.is_relative_to(isolated_home) and TINY.hash()[:16] in path.name
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     assert build_base(recipe=TINY) == path and (path / "model.safetensors").stat().st_mtime_ns == stamp
     copy = build_base(tmp_path / "copy", recipe=TINY)
     assert weights_hash(copy) == weights_hash(path) and (path / "model.safetensors").stat().st_mtime_ns == stamp
+    # built again from scratch (not from the cache): the same weights; another seed, others
+    again = build_base(tmp_path / "again", recipe=TINY, cache=False)
+    other = build_base(tmp_path / "other", recipe=TINY, seed=1, cache=False)
+    assert weights_hash(again) == weights_hash(path) != weights_hash(other)
+    info = build_info(again)
+    assert info["recipe_hash"] == TINY.hash() and info["weights_hash"] == weights_hash(again)
+    assert TINY.hash() != TINY.with_(seed=1).hash() != DEFAULT_RECIPE.hash()
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "notes.txt").write_text("mine")
     with pytest.raises(ModelError, match="not a nano model build"):
