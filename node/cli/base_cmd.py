@@ -10,7 +10,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from skillswarm.node.cli.common import JsonOpt, console, err_console, fail, print_json, table
-from skillswarm.skills.nano.recipe import NanoRecipe
+from skillswarm.skills.nano.recipe import DEFAULT_RECIPE, NanoRecipe
 
 app = typer.Typer(help="The nano base model (built here, no model hub needed).", no_args_is_help=True)
 
@@ -19,7 +19,7 @@ def build_with_progress(out: Path | None = None, recipe: NanoRecipe | None = Non
     """Build the nano model of `recipe` (default: the default recipe), or find it cached, with a progress
     bar on stderr; returns its directory."""
     from skillswarm.skills.nano.build import build_base, cached_path, is_built
-    from skillswarm.skills.nano.recipe import DEFAULT_RECIPE, pin_plugins
+    from skillswarm.skills.nano.recipe import pin_plugins
 
     recipe = pin_plugins(recipe or DEFAULT_RECIPE)
     if is_built(cached_path(recipe)) and not force:
@@ -37,11 +37,11 @@ def build_with_progress(out: Path | None = None, recipe: NanoRecipe | None = Non
         return build_base(out, recipe=recipe, force=force, progress=show)
 
 
-def build_recipe(seed: int = NanoRecipe.seed, steps: int | None = None, with_code: bool = False, skills: list[str] | None = None,
+def build_recipe(seed: int = DEFAULT_RECIPE.seed, steps: int | None = None, with_code: bool = False, skills: list[str] | None = None,
                  with_plugins: bool = False) -> NanoRecipe:
     """The recipe the options ask for: the default recipe's settings plus the added skills, each plugin
     pinned to its installed version (so the cache key changes with it)."""
-    from skillswarm.skills.nano.recipe import DEFAULT_RECIPE, pin_plugins
+    from skillswarm.skills.nano.recipe import pin_plugins
     from skillswarm.skills.registry import get_skill, plugin_names
 
     added = ["code"] if with_code else []
@@ -61,7 +61,7 @@ def build_recipe(seed: int = NanoRecipe.seed, steps: int | None = None, with_cod
 @app.command("build")
 def build(
     out: Annotated[Optional[Path], typer.Option(help="Also copy the model here (default: only the cache).")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the initial weights and the warm-up data.")] = NanoRecipe.seed,
+    seed: Annotated[int, typer.Option(help="Seed of the initial weights and the warm-up data.")] = DEFAULT_RECIPE.seed,
     steps: Annotated[Optional[int], typer.Option(help="Cap on warm-up steps (default: the recipe's).", min=1)] = None,
     force: Annotated[bool, typer.Option(help="Rebuild even when the recipe is cached; overwrite --out.")] = False,
     with_code: Annotated[bool, typer.Option("--with-code", help="Also warm up the `code` skill (its tasks run in "
