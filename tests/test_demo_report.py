@@ -64,3 +64,17 @@ def test_method_specs_parse_or_say_how_to_fix(tmp_path: Path) -> None:
             continue
         with pytest.raises(SkillswarmError, match="METHOD@LAMBDA"):
             parse_method(bad, cfg)
+
+
+def test_printed_report_shows_each_round_against_the_specialists(tmp_path: Path, capsys) -> None:
+    from skillswarm.node.cli.demo_cmd import print_report
+
+    cfg = DemoConfig(out=tmp_path, skills=["sort"], rounds=2)
+    deltas = {0: [_delta("sort", 0, 0.30, 0.61, "01" * 32)], 1: [_delta("sort", 1, 0.55, 0.73, "02" * 32)]}
+    final = CheckpointManifest(network="demo", version=2, parent_version=1, parent_hash=SHA, weights_hash=SHA,
+                               files=[FileEntry(path="model.safetensors", sha256=SHA, size=1)], method="ties",
+                               metrics={"sort": SkillMetrics(accuracy=0.69)})
+    print_report(make_report(cfg, final, [final], deltas, 60.0), tmp_path)
+    text = capsys.readouterr().out
+    assert "first-round specialist" in text and "61.0%" in text  # round 0's specialist, beside the best (round 1's)
+    assert "best single-round specialist" in text and "73.0%" in text and "69.0%" in text

@@ -81,6 +81,11 @@ def demo_cmd(
     if json:
         print_json(report)
         return
+    print_report(report, out)
+
+
+def print_report(report: dict, out: Path) -> None:
+    """The demo's tables: retention per skill, merged accuracy per round against the specialists, the methods."""
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
     rows = [[k, pct(v["base"]), pct(v["specialist"]), pct(v["merged"]), _share(v["retention"]),
              *_remeasured_cells(v)] for k, v in report["skills"].items()]
@@ -93,7 +98,9 @@ def demo_cmd(
     names = list(report["skills"])
     rows = [[f"v{r['version']}" + (" (base)" if r["version"] == 0 else ""), *(pct(r["accuracy"].get(k)) for k in names),
              "" if r["included"] is None else f"{r['included']} / {r['rejected']}"] for r in report["per_round"]]
-    rows.append(["best single-round specialist", *(pct(report["skills"][k]["best_round_specialist"]) for k in names), ""])
+    for label, key in (("first-round specialist", "first_round_specialist"),
+                       ("best single-round specialist", "best_round_specialist")):
+        rows.append([label, *(pct(report["skills"][k][key]) for k in names), ""])
     console.print(table("merged accuracy after each round", ["checkpoint", *names, "deltas merged / rejected"], rows))
     if len(report["methods"]) > 1:
         rows = [[label, *(_cell(v[k]) for k in names)] for label, v in report["methods"].items()]
