@@ -69,8 +69,11 @@ def test_corrupted_bytes_never_appear_under_the_final_name(swarm: dict[str, Blob
     assert not fetcher.store.path(sha).exists()
     assert not fetcher.store.partial_path(sha).exists(), "unverified bytes were kept"
     report = fetcher.dht.fetch_report(sha, max_size=8 * MB, store=fetcher.store, providers=[liar_id, honest_id])
-    assert "do not match" in report.rejected[liar_id] and report.segments[-1] == (honest_id, 0, 4 * MB)
-    assert sha256_file(fetcher.store.path(sha)) == sha
+    assert sha256_file(fetcher.store.path(sha)) == sha and report.segments[-1] == (honest_id, 0, 4 * MB), report
+    # The liar is named exactly when it sent the bad byte (a busy machine may cut its stream before it).
+    sent_bad = any(peer == liar_id and a <= 2 * MB < b for peer, a, b in report.segments)
+    assert ("do not match" in report.rejected.get(liar_id, "")) == sent_bad, report
+    assert honest_id not in report.rejected, report
 
 
 def test_unknown_hashes_oversized_blobs_and_busy_providers_are_refused(swarm: dict[str, BlobPeer]) -> None:

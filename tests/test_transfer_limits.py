@@ -118,6 +118,30 @@ def test_an_honest_provider_takes_over_from_a_trickler(swarm: dict[str, BlobPeer
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+def test_a_liar_cut_off_for_slowness_is_still_named_once_the_blob_verifies(swarm: dict[str, BlobPeer]) -> None:
+    fetcher, trickler, honest = swarm["fetcher"], swarm["trickler"], swarm["honest"]
+    size = 3 * MB
+    sha = _blob(size, honest.store, trickler.store)
+    bad = trickler.store.path(sha)
+    os.chmod(bad, 0o644)
+    with open(bad, "r+b") as f:  # the trickler's copy is wrong from its first byte; it is dropped as slow soon after
+        first_byte = f.read(1)[0]
+        f.seek(0)
+        f.write(bytes([first_byte ^ 0xFF]))
+    report = fetcher.dht.fetch_report(sha, max_size=8 * MB, store=fetcher.store, providers=[trickler.id, honest.id],
+                                      progress=False, grace_s=1.5)
+    assert sha256_file(fetcher.store.path(sha)) == sha
+    # Its bytes and the honest provider's rest failed verification together; the honest copy, fetched again
+    # from zero, verified, and the range that differs from it names the trickler, not the honest provider.
+    (first, start0, cut), (second, start1, end1), (third, start2, end2) = report.segments
+    assert (first, second, third) == (trickler.id, honest.id, honest.id), report
+    assert (start0, start1, end1, start2, end2) == (0, cut, size, 0, size) and 0 < cut < size, report
+    assert f"bytes 0-{cut} differ from the verified blob" in report.rejected[trickler.id], report
+    assert honest.id not in report.rejected, report
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_a_rounds_fetches_end_within_the_budget(swarm: dict[str, BlobPeer]) -> None:
     fetcher, trickler, honest = swarm["fetcher"], swarm["trickler"], swarm["honest"]
     good = _blob(3 * MB, honest.store)

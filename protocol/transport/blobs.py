@@ -305,6 +305,21 @@ def partial_pieces_path(part: Path) -> Path:
     return part.with_suffix(".pieces")
 
 
+def range_digests(path: Path, ranges: Iterable[tuple[int, int]]) -> list[str]:
+    """The sha256 of each byte range [start, end) of the file at `path`: what a fetcher compares to tell
+    which provider of a download that failed verification sent the bytes that differ."""
+    digests = []
+    with open(path, "rb") as f:
+        for start, end in ranges:
+            f.seek(start)
+            h, left = hashlib.sha256(), end - start
+            while left > 0 and (block := f.read(min(CHUNK, left))):
+                h.update(block)
+                left -= len(block)
+            digests.append(h.hexdigest())
+    return digests
+
+
 def held_bytes(st: os.stat_result) -> int:
     """The bytes a file really holds on disk: a partial file written piece by piece may have holes."""
     return min(st.st_size, st.st_blocks * 512) if hasattr(st, "st_blocks") else st.st_size

@@ -4,8 +4,9 @@
 Inside the DHT's background process, `fetch_blob` downloads one blob: it appends to a partial file while
 hashing, resumes from the bytes it has when a stream breaks (from the next provider, or the same one on a
 later call), and renames the file to its final name only when the sha256 matches. A provider whose bytes
-do not match is rejected; so is one announcing another size, or over `max_size`, and one dropped twice
-for slowness. Every fetch has a deadline (`wire.deadline_for` its size unless given), enforced in the
+do not match is rejected (bytes from several that fail together are hashed per provider, and a later copy
+that verifies names whose range differs); so is one announcing another size, or over `max_size`, and one
+dropped twice for slowness. Every fetch has a deadline (`wire.deadline_for` its size unless given), enforced in the
 thread that moves its bytes: a stream that averages under the minimum rate once the grace period is over
 is dropped (its bytes kept) for the next provider, and when the deadline passes, or `cancel_fetches`
 stops it, the fetch ends with a `BlobError` and keeps its partial file for a later resume. Room in the
@@ -31,7 +32,7 @@ import msgspec
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from skillswarm.protocol.transport.blobs import BlobStore, PartialDownload, check_sha256
+from skillswarm.protocol.transport.blobs import BlobStore, PartialDownload, check_sha256, range_digests
 from skillswarm.protocol.errors import BlobError
 from skillswarm.protocol.transport.streams import open_stream, recv_exact
 from skillswarm.protocol.transport.wire import (
@@ -370,6 +371,8 @@ async def _fetch(node: hivemind.DHTNode, sha: str, sources: list[Source], store:
     failures: dict[str, int] = {}
     slow: dict[str, int] = {}
     tried: list[str] = []
+    suspects: list[tuple[str, int, int, str]] = []  # (peer, start, end, sha256) of attempts that failed verification
+    first = len(report.segments)  # this attempt's segments start here
     attempts, budget, mismatches, ok = 0, max_attempts or 3 * len(usable) + 2, 0, False
     room = _Room(store, sha)
     try:
@@ -424,6 +427,7 @@ async def _fetch(node: hivemind.DHTNode, sha: str, sources: list[Source], store:
             if part.hasher.hexdigest() == sha:
                 await _in_thread(part.publish, final)
                 ok = True
+                await _blame_by_ranges(report, suspects, final)
                 return report
             # The bytes do not match. A single source is a liar; with several (a resumed download), retry
             # from zero and only blame them all once every provider had its chance.
@@ -433,8 +437,13 @@ async def _fetch(node: hivemind.DHTNode, sha: str, sources: list[Source], store:
                 for peer in blamed:
                     report.rejected[peer] = "sent bytes that do not match the sha256"
                 usable = [s for s in usable if s.peer_id not in blamed]
+            else:  # keep what each one sent: once a download verifies, the ranges that differ name the liar
+                ranges = [seg for seg in report.segments[first:] if seg[2] > seg[1]]
+                digests = await _in_thread(range_digests, part.path, [(a, b) for _, a, b in ranges])
+                suspects += [(peer, a, b, d) for (peer, a, b), d in zip(ranges, digests)]
             part.reset()
             contributors.clear()
+            first = len(report.segments)
         reasons = "; ".join(f"{peer[:20]}...: {why}" for peer, why in report.rejected.items())
         if not usable and not report.rejected:
             reasons = "no provider is known" if not sources else "no provider besides this node"
@@ -444,6 +453,17 @@ async def _fetch(node: hivemind.DHTNode, sha: str, sources: list[Source], store:
     finally:
         room.release()
         part.close(remove=not ok and part.offset == 0)
+
+
+async def _blame_by_ranges(report: FetchReport, suspects: list[tuple[str, int, int, str]], final: Path) -> None:
+    """Name as rejected each provider of an attempt that failed verification whose bytes differ from the
+    verified blob's at the same range (a liar that sent bad bytes and then dropped, leaving the rest to others)."""
+    if not suspects:
+        return
+    digests = await _in_thread(range_digests, final, [(a, b) for _, a, b, _ in suspects])
+    for (peer, a, b, sent), good in zip(suspects, digests):
+        if sent != good:
+            report.rejected[peer] = f"sent bytes that do not match the sha256 (bytes {a}-{b} differ from the verified blob)"
 
 
 def _out_of_time(sha: str, clock: _Clock, report: FetchReport, tried: list[str], held: int,
