@@ -65,10 +65,10 @@ class DemoConfig:
     # ended its rounds at 12-23 steps (README, "The swarm on a second machine").
     minutes_per_round: float | None = 3.0
     method: str = MergePolicy().method
-    density: float = 0.3
+    density: float = MergePolicy().density
     # The network's: with the workers' retain loss the deltas of a round add up at full strength (README, "The swarm")
     scale: float = MergePolicy().scale
-    compare: list[str] = field(default_factory=lambda: ["ties@1", "task_arithmetic@0.6"])  # re-merge the last round
+    compare: list[str] = field(default_factory=lambda: ["task_arithmetic@1", "task_arithmetic@0.6"])  # re-merge the last round
     eval_n: int = EVAL_N
     retention_n: int = RETENTION_N  # held-out tasks per skill of the final re-measure
     group_size: int = 8

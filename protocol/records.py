@@ -164,7 +164,9 @@ class SkillMetrics(_Part, kw_only=True):
 class RoundPolicy(_Part, kw_only=True):
     """When a round ends (enough deltas, or the wait ran out), and how long its downloads may take."""
 
-    steps_per_round: Annotated[int, Meta(ge=1, le=1_000_000)] = 50
+    # 100: at 50 steps a round arith gained +11 in the demo, short of +15; at 100 every skill gained +15 or more
+    # (README, "Rounds of 100 steps, TIES and retain 2").
+    steps_per_round: Annotated[int, Meta(ge=1, le=1_000_000)] = 100
     min_deltas: Annotated[int, Meta(ge=1, le=4096)] = 1
     max_wait_s: Annotated[float, Meta(gt=0.0, le=1e7)] = 900.0
     fetch_budget_s: Annotated[float, Meta(gt=0.0, le=1e7)] = 900.0  # every delta of a round, fetched concurrently
@@ -174,11 +176,12 @@ class RoundPolicy(_Part, kw_only=True):
 class MergePolicy(_Part, kw_only=True):
     """How a coordinator folds a round's deltas into the next checkpoint."""
 
-    # Task arithmetic: RL deltas of different skills are dense and nearly orthogonal, so they add up; in the
-    # demo's runs it kept as much of each skill's gain as TIES or more (README, "The swarm").
-    method: MergeMethod = "task_arithmetic"
+    # TIES at lambda 1 (30% of each delta kept, signs elected): at 100 steps a round the summed deltas of task
+    # arithmetic overshoot (reverse lost 12-23 points from one round's sum), TIES kept each skill within a point or
+    # two of its specialist (README, "Rounds of 100 steps, TIES and retain 2"; bench/interference.py).
+    method: MergeMethod = "ties"
     aggregator: Aggregator = "mean"  # within one skill's deltas
-    density: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.2
+    density: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.3
     scale: Annotated[float, Meta(gt=0.0, le=100.0)] = msgspec.field(default=1.0, name="lambda")
     trim_fraction: Annotated[float, Meta(ge=0.0, lt=0.5)] = 0.1
     max_norm_ratio: Annotated[float, Meta(ge=1.0, le=1e6)] = 5.0  # reject norms above ratio * median

@@ -33,7 +33,7 @@ def test_a_short_demo_reports_retention_and_stops_every_process(nano_model: Path
     monkeypatch.setenv("SKILLSWARM_HOME", str(tmp_path / "home"))
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     cfg = DemoConfig(out=tmp_path / "demo", skills=["reverse", "sort"], rounds=1, steps_per_round=3,
-                     minutes_per_round=None, eval_n=8, retention_n=16, group_size=4, batch=2, compare=["ties@1"], timeout_s=300,
+                     minutes_per_round=None, eval_n=8, retention_n=16, group_size=4, batch=2, compare=["task_arithmetic@1"], timeout_s=300,
                      retain=1.0, screen=ScreenPolicy(eval_n=0))  # 3-step deltas are too small to pass the usefulness test
     phases: list[str] = []
     report = run_demo(cfg, nano_model, on_status=lambda st: phases.append(st.phase))
@@ -59,7 +59,7 @@ def test_a_short_demo_reports_retention_and_stops_every_process(nano_model: Path
         if row["retention_interval"] is not None:
             lo, hi = row["retention_interval"]
             assert lo <= hi
-    assert len(report["methods"]) == 2 and "ties(density=0.3, lambda=1)" in report["methods"]
+    assert list(report["methods"]) == ["ties(density=0.3, lambda=1)", "task_arithmetic(lambda=1)"]  # the run's, then the re-merge
     assert report["history"][0]["included"] == 2  # both skills' deltas went into v1
     assert phases[-1] == "done" and "comparing" in phases and "remeasuring" in phases
     assert report["interval_level"] == 0.9 and report["retain"] == 1.0 and report["retention_n"] == 16

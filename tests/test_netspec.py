@@ -117,9 +117,9 @@ def test_plugin_versions_are_signed_and_old_files_still_verify(tmp_path: Path) -
     from skillswarm.protocol.records import MergePolicy, RoundPolicy, ScreenPolicy
 
     # A file states every policy value (as `net init` writes it), so defaults changed since do not alter it:
-    # this one was signed when a round was 20 steps, the merge TIES and the usefulness test 128 tasks.
+    # this one was signed when a round was 20 steps, the merge TIES at density 0.2 and the usefulness test 128 tasks.
     old = NetworkSpec(**{**OLD_SIGNED, "signature": base64.b64decode(OLD_SIGNED["signature"])},
-                      round=RoundPolicy(steps_per_round=20), merge=MergePolicy(method="ties"),
+                      round=RoundPolicy(steps_per_round=20), merge=MergePolicy(method="ties", density=0.2),
                       screen=ScreenPolicy(eval_n=128))
     verify_record(old, network="old")  # a file without plugin versions encodes exactly as it did
     assert old.plugin_versions() == {} and b"skill_versions" not in canonical_bytes(old)
