@@ -10,7 +10,9 @@ on: its own specialist (start + its delta), the other skills' deltas summed at l
     .venv/bin/python bench/interference.py --model runs/demo/nodes/coordinator/.../v3 --variant none:retain=0 \\
         --variant retain1:retain=1 --seeds 0,1 --json
 
-A variant is NAME:KEY=VALUE,... with KEY a TrainConfig field (see bench/rl_recipe.py).
+A variant is NAME:KEY=VALUE,... with KEY a TrainConfig field (see bench/rl_recipe.py). `--merge
+LABEL=METHOD:KEY=VALUE,...` (repeatable) replaces the default merges, KEY a parameter of the method, e.g.
+`--merge ties-sum=ties:density=0.3,normalize=false`; the deltas are trained once and every merge reuses them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,17 @@ from typing import Any
 SKILLS = ["arith", "calc", "reverse", "sort"]
 MERGES = {"task_arithmetic@0.6": ("task_arithmetic", {"scale": 0.6}), "task_arithmetic@1": ("task_arithmetic", {}),
           "ties@1": ("ties", {"density": 0.3})}
+
+
+def parse_merge(text: str) -> tuple[str, tuple[str, dict[str, Any]]]:
+    """`LABEL=METHOD:k=v,...` -> (LABEL, (METHOD, {k: v}))."""
+    from rl_recipe import parse_variant
+
+    label, _, body = text.partition("=")
+    method, params = parse_variant(body)
+    if not label or not body:
+        raise SystemExit(f"bad --merge {text!r}: use LABEL=METHOD:KEY=VALUE,..., e.g. ties-sum=ties:normalize=false")
+    return label, (method, params)
 
 
 def round_deltas(model: Path, changes: dict[str, Any], seed: int, steps: int, eval_n: int, work: Path) -> dict[str, Any]:
@@ -49,7 +62,7 @@ def round_deltas(model: Path, changes: dict[str, Any], seed: int, steps: int, ev
     return {"start": start, "deltas": deltas, "before": before, "specialist": specialist}
 
 
-def measure(model: Path, r: dict[str, Any], eval_n: int) -> dict[str, Any]:
+def measure(model: Path, r: dict[str, Any], eval_n: int, merges: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     """Each skill under the others' deltas, and under each merge of all four."""
     import torch
 
@@ -67,7 +80,7 @@ def measure(model: Path, r: dict[str, Any], eval_n: int) -> dict[str, Any]:
     others = {k: accuracy({n: start[n] + sum(deltas[t][n] for t in SKILLS if t != k) for n in start}, [k])[k]
               for k in SKILLS}
     merged = {}
-    for label, (method, params) in MERGES.items():
+    for label, (method, params) in merges.items():
         merged[label] = accuracy({n: start[n] + merge(method, [deltas[t][n] for t in SKILLS], **params) for n in start},
                                  SKILLS)
     return {"others": others, "merged": merged}
@@ -80,10 +93,13 @@ def main() -> int:
     parser.add_argument("--eval-n", type=int, default=300)
     parser.add_argument("--variant", action="append", default=[], help="NAME:KEY=VALUE,... (repeatable)")
     parser.add_argument("--seeds", default="0", help="comma-separated seeds, one round each")
+    parser.add_argument("--merge", action="append", default=[], help="LABEL=METHOD:KEY=VALUE,... (repeatable)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
     from rl_recipe import parse_variant
+
+    merges = dict(parse_merge(m) for m in args.merge) if args.merge else MERGES
 
     from skillswarm.skills.nano.build import build_base
 
@@ -95,7 +111,7 @@ def main() -> int:
             print(f"{name} seed {seed}", file=sys.stderr)
             with tempfile.TemporaryDirectory(prefix="interference-") as tmp:
                 r = round_deltas(model, changes, seed, args.steps, args.eval_n, Path(tmp))
-                m = measure(model, r, args.eval_n)
+                m = measure(model, r, args.eval_n, merges)
             start = r["before"]
             rows.append({"variant": name, "changes": changes, "seed": seed, "start": start,
                          "specialist": r["specialist"], "others": m["others"], "merged": m["merged"],
@@ -112,11 +128,11 @@ def main() -> int:
 
     table = Table(title=f"one round of {args.steps} steps per skill from {model.name} (points summed over "
                         f"{len(SKILLS)} skills, n={args.eval_n}, greedy)")
-    for col in ("variant", "seed", "specialist gain", "harm of the others' deltas", *(f"merged gain, {m}" for m in MERGES)):
+    for col in ("variant", "seed", "specialist gain", "harm of the others' deltas", *(f"merged gain, {m}" for m in merges)):
         table.add_column(col)
     for row in rows:
         table.add_row(row["variant"], str(row["seed"]), f"{row['specialist_gain']:+.1f}", f"{row['harm']:+.1f}",
-                      *(f"{row['merged_gain'][m]:+.1f}" for m in MERGES))
+                      *(f"{row['merged_gain'][m]:+.1f}" for m in merges))
     Console().print(table)
     return 0
 
