@@ -30,13 +30,24 @@ MERGES = {"task_arithmetic@0.6": ("task_arithmetic", {"scale": 0.6}), "task_arit
 
 
 def parse_merge(text: str) -> tuple[str, tuple[str, dict[str, Any]]]:
-    """`LABEL=METHOD:k=v,...` -> (LABEL, (METHOD, {k: v}))."""
+    """`LABEL=METHOD:k=v,...` -> (LABEL, (METHOD, {k: v})), checked against the method's parameters before
+    any training, so a typo fails in a second rather than after the deltas are trained."""
     from rl_recipe import parse_variant
 
+    from skillswarm.merge.methods import get_method
+    from skillswarm.protocol.errors import MergeError
+
     label, _, body = text.partition("=")
-    method, params = parse_variant(body)
     if not label or not body:
         raise SystemExit(f"bad --merge {text!r}: use LABEL=METHOD:KEY=VALUE,..., e.g. ties-sum=ties:normalize=false")
+    method, params = parse_variant(body)
+    try:
+        entry = get_method(method)
+        entry.make_params(params)
+    except (MergeError, TypeError, ValueError) as e:
+        raise SystemExit(f"bad --merge {text!r}: {e}") from None
+    if entry.kind != "gta":
+        raise SystemExit(f"bad --merge {text!r}: {method} interpolates between models; use a task-vector method")
     return label, (method, params)
 
 

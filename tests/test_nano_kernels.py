@@ -1,5 +1,5 @@
-"""The nano build runs in a process of its own on pinned float kernels: one recipe gives the same weights
-whatever this CPU's SIMD, MKL path or thread count, and its errors reach the caller as clean errors."""
+"""The nano build runs in a process of its own on pinned float kernels: on one CPU, one recipe gives the same
+weights whatever the environment's SIMD, MKL path or thread count, and its errors reach the caller as clean errors."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ needs_avx2 = pytest.mark.skipif(not has_avx2(), reason="the pinned kernels are x
 
 
 @needs_avx2
-def test_every_avx2_cpu_builds_the_same_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_pinned_build_ignores_the_environments_kernels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     here = build_base(tmp_path / "here", recipe=SHORT, cache=False)
     # What another machine would run unpinned: ATen without SIMD, MKL restricted to AVX2, two threads.
     for name, value in {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "OMP_NUM_THREADS": "2",
