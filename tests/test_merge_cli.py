@@ -15,6 +15,7 @@ from skillswarm.merge.methods import merge
 from skillswarm.node.cli.app import app
 from skillswarm.protocol.errors import MergeError
 from skillswarm.protocol.hashing import weights_hash
+from skillswarm.protocol.records import MergePolicy
 from tests.conftest import run_cli
 
 
@@ -113,3 +114,21 @@ seed: 5
     with pytest.raises(MergeError, match="not a skillswarm delta"):
         cli("merge", "run", "--base", str(models["base"]), "--delta", str(models["base"] / "model.safetensors"),
             "--out", str(tmp_path / "c"))
+
+
+def test_merge_run_defaults_are_the_network_policys(models: dict[str, Path], tmp_path: Path) -> None:
+    # With no --method, --density or --lambda, `merge run` merges as a coordinator would (MergePolicy), not with
+    # the method's own defaults (TIES's density 0.2).
+    policy = MergePolicy()
+    out = json.loads(cli("merge", "run", "--base", str(models["base"]), "--model", str(models["ft1"]), "--model",
+                         str(models["ft2"]), "--out", str(tmp_path / "merged"), "--json"))
+    assert out["method"] == policy.method and out["params"] == {"density": policy.density, "scale": policy.scale}
+    base, a, b = (load_file(str(models[n] / "model.safetensors")) for n in ("base", "ft1", "ft2"))
+    got = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    for k in base:
+        want = base[k] + merge(policy.method, [a[k] - base[k], b[k] - base[k]], density=policy.density, scale=policy.scale)
+        assert torch.equal(got[k], want)
+    # a method without a density takes none of the policy's: task_arithmetic gets only lambda
+    ta = json.loads(cli("merge", "run", "--base", str(models["base"]), "--model", str(models["ft1"]), "--method",
+                        "task_arithmetic", "--out", str(tmp_path / "ta"), "--json"))
+    assert ta["params"] == {"scale": policy.scale}

@@ -12,7 +12,8 @@ from skillswarm.protocol.errors import ModelError
 from skillswarm.protocol.hashing import weights_hash
 from skillswarm.skills.chat import episode_tokens, render
 from skillswarm.skills.episode import Message
-from skillswarm.skills.nano.build import build_base, build_info, cached_path
+from skillswarm.skills.nano import build as nano_build
+from skillswarm.skills.nano.build import PINNED_MANIFEST, build_base, build_info, cached_path, is_built, pin_build, pinned_build
 from skillswarm.skills.nano.recipe import DEFAULT_RECIPE, NanoRecipe
 from skillswarm.skills.nano.tokenizer import CHARS, build_tokenizer
 from skillswarm.skills.nano.warmup import by_stratum, keeps_training, replay_rows, step_rows
@@ -84,6 +85,48 @@ def test_build_is_deterministic_from_the_seed_and_cached_by_recipe_hash(isolated
     (tmp_path / "taken" / "notes.txt").write_text("mine")
     with pytest.raises(ModelError, match="not a nano model build"):
         build_base(tmp_path / "taken", recipe=TINY)
+
+
+def test_a_shipped_build_fills_the_cache_only_when_every_file_matches_its_hash(
+        isolated_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # A build made elsewhere (another CPU trains other weights from one recipe) is shipped, and the cache is filled
+    # from it, not trained: same files, and the install says so. A damaged file is refused with a clear error.
+    made = build_base(tmp_path / "made", recipe=TINY, cache=False)
+    shipped = pin_build(made, tmp_path / "pinned")
+    manifest = json.loads((shipped / PINNED_MANIFEST).read_text())
+    assert manifest["recipe_hash"] == TINY.hash() and "model.safetensors" in manifest["files"]
+    monkeypatch.setattr(nano_build, "PINNED_DIR", shipped)
+    assert pinned_build(TINY) == shipped and pinned_build(TINY.with_(seed=1)) is None
+    with caplog.at_level("INFO", logger=nano_build.__name__):
+        path = build_base(recipe=TINY)
+    assert path == cached_path(TINY) and "installed the shipped nano model" in caplog.text
+    assert sorted(p.name for p in path.iterdir()) == sorted(manifest["files"])
+    assert all((path / n).read_bytes() == (shipped / n).read_bytes() for n in manifest["files"])
+    assert build_info(path)["weights_hash"] == weights_hash(path) == weights_hash(made)
+    # damaged: one byte of the shipped weights flipped; nothing lands in the cache
+    other = TINY.with_(seed=2)
+    pin_build(build_base(tmp_path / "made2", recipe=other, cache=False), shipped)
+    raw = bytearray((shipped / "model.safetensors").read_bytes())
+    raw[-1] ^= 1
+    (shipped / "model.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(ModelError, match="damaged .*model.safetensors"):
+        build_base(recipe=other)
+    assert not is_built(cached_path(other)) and not [p for p in cached_path(other).parent.iterdir() if p.name.startswith(".")]
+    # --force trains it here instead
+    assert build_info(build_base(recipe=other, force=True))["recipe_hash"] == other.hash()
+
+
+def test_the_package_ships_the_default_recipes_build() -> None:
+    # Changing the default recipe without shipping its build would send every machine back to its own
+    # CPU's weights: re-pin with `skillswarm base build --force --pin`.
+    shipped = pinned_build(DEFAULT_RECIPE)
+    assert shipped is not None, "no shipped build of the default recipe: run `skillswarm base build --force --pin`"
+    manifest = json.loads((shipped / PINNED_MANIFEST).read_text())
+    from skillswarm.protocol.hashing import sha256_file
+
+    assert all(sha256_file(shipped / n) == d for n, d in manifest["files"].items())
+    info = build_info(shipped)
+    assert info["recipe_hash"] == DEFAULT_RECIPE.hash() and info["weights_hash"] == weights_hash(shipped)
 
 
 @pytest.mark.slow

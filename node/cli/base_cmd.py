@@ -10,7 +10,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from skillswarm.node.cli.common import JsonOpt, console, err_console, fail, print_json, table
-from skillswarm.skills.nano.recipe import DEFAULT_RECIPE, NanoRecipe
+from skillswarm.skills.nano.recipe import DEFAULT_RECIPE, NanoRecipe, pin_plugins
 
 app = typer.Typer(help="The nano base model (built here, no model hub needed).", no_args_is_help=True)
 
@@ -18,12 +18,11 @@ app = typer.Typer(help="The nano base model (built here, no model hub needed).",
 def build_with_progress(out: Path | None = None, recipe: NanoRecipe | None = None, force: bool = False) -> Path:
     """Build the nano model of `recipe` (default: the default recipe), or find it cached, with a progress
     bar on stderr; returns its directory."""
-    from skillswarm.skills.nano.build import build_base, cached_path, is_built
-    from skillswarm.skills.nano.recipe import pin_plugins
+    from skillswarm.skills.nano.build import build_base, cached_path, is_built, pinned_build
 
     recipe = pin_plugins(recipe or DEFAULT_RECIPE)
-    if is_built(cached_path(recipe)) and not force:
-        return build_base(out, recipe=recipe)
+    if (is_built(cached_path(recipe)) or pinned_build(recipe) is not None) and not force:
+        return build_base(out, recipe=recipe)  # from the cache, or the package's build: nothing to train
     columns = (TextColumn("[bold]warm-up"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.fields[info]}"))
 
@@ -41,7 +40,6 @@ def build_recipe(seed: int = DEFAULT_RECIPE.seed, steps: int | None = None, with
                  with_plugins: bool = False) -> NanoRecipe:
     """The recipe the options ask for: the default recipe's settings plus the added skills, each plugin
     pinned to its installed version (so the cache key changes with it)."""
-    from skillswarm.skills.nano.recipe import pin_plugins
     from skillswarm.skills.registry import get_skill, plugin_names
 
     added = ["code"] if with_code else []
@@ -71,22 +69,31 @@ def build(
                         f"data-mix weight {NanoRecipe.added_weight:g}; repeatable.")] = None,
     with_plugins: Annotated[bool, typer.Option("--with-plugins", help="Also warm up every installed plugin skill "
                                                                      "that has a reference player.")] = False,
+    pin: Annotated[bool, typer.Option("--pin", help="Make this build of the default recipe the one the package "
+                                                   "ships (skills/nano/pinned/; for maintainers, after a recipe "
+                                                   "change, with --force).")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Build the nano base model: char-level tokenizer, small Llama, short warm-up on the built-in skills
     (and any skill added with --skill, --with-plugins or --with-code)."""
-    from skillswarm.skills.nano.build import build_info, cached_path, is_built
+    from skillswarm.skills.nano.build import build_info, cached_path, is_built, pin_build, pinned_build
 
     recipe = build_recipe(seed, steps, with_code, skill, with_plugins)
+    if pin and recipe != pin_plugins(DEFAULT_RECIPE):
+        fail("--pin ships the default recipe's build only: drop --seed, --steps, --skill, --with-code and --with-plugins")
     cached = is_built(cached_path(recipe)) and not force
+    shipped = not cached and not force and pinned_build(recipe) is not None
     start = time.monotonic()
-    if not cached and not json_out:
+    if not cached and not shipped and not json_out:
         err_console.print(f"building the nano base model (recipe {recipe.hash()[:12]}, skills {', '.join(recipe.skills)}, "
                           f"{recipe.steps} warm-up steps)", highlight=False)
     path = build_with_progress(out, recipe, force)
     info = build_info(path)
+    if pin:
+        pin_build(cached_path(recipe))
     plugins = recipe.as_dict().get("plugins")
-    result = {"path": str(path), "cached": cached, "seconds": round(time.monotonic() - start, 2),
+    # cached: it was in the cache already; shipped: the cache was filled from the package's build, not trained here
+    result = {"path": str(path), "cached": cached, "shipped": shipped, "seconds": round(time.monotonic() - start, 2),
               "skills": list(recipe.skills), **({"plugins": plugins} if plugins else {}),
               **{k: info[k] for k in ("recipe_hash", "weights_hash", "parameters", "steps", "final_loss",
                                       "validation_accuracy", "build_seconds")},

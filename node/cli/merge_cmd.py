@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -57,6 +58,20 @@ def _report(result: Any, as_json: bool, extra: dict[str, Any] | None = None) -> 
     console.print(f"weights hash [bold]{result.weights_hash}[/]", highlight=False)
 
 
+def policy_defaults(method: str) -> dict[str, float]:
+    """The network merge policy's density and lambda, for the ones `method` takes: `merge run` with no options
+    merges as a coordinator does (an unknown method is left to the merge to report)."""
+    from skillswarm.merge.methods import get_method
+    from skillswarm.protocol.errors import MergeError
+
+    try:
+        names = {f.name for f in dataclasses.fields(get_method(method).params)}
+    except MergeError:
+        return {}
+    policy = MergePolicy()
+    return {k: v for k, v in (("density", policy.density), ("scale", policy.scale)) if k in names}
+
+
 @app.command("run")
 def run(
     out: Annotated[Path, typer.Option(help="Output model directory (written atomically).")],
@@ -66,8 +81,10 @@ def run(
     weight: Annotated[Optional[list[float]], typer.Option(help="Weight of each input, in order (default 1).")] = None,
     method: Annotated[str, typer.Option(help=f"Merge method: {', '.join(MERGE_METHODS)}; also breadcrumbs_ties, "
                                         "della, della_linear, slerp (t 0.5; use a recipe for t), model_stock.")] = MergePolicy().method,
-    density: Annotated[Optional[float], typer.Option(help="Fraction kept by ties/dare/breadcrumbs (default 0.2).")] = None,
-    scale: Annotated[Optional[float], typer.Option("--lambda", help="Scale of the merged task vector (default 1).")] = None,
+    density: Annotated[Optional[float], typer.Option(help="Fraction kept by ties/dare/breadcrumbs (default: the network "
+                                                     f"merge policy's, {MergePolicy().density}).")] = None,
+    scale: Annotated[Optional[float], typer.Option("--lambda", help="Scale of the merged task vector (default: the "
+                                                   f"network merge policy's, {MergePolicy().scale:g}).")] = None,
     gamma: Annotated[Optional[float], typer.Option(help="breadcrumbs: fraction of largest entries dropped.")] = None,
     recipe: Annotated[Optional[Path], typer.Option(help="A mergekit YAML recipe (replaces the options above): "
                                                    "models or hub ids, gradients, filters, dtype, tokenizer_source.")] = None,
@@ -101,8 +118,8 @@ def run(
         if weight and len(weight) != len(paths):
             fail(f"{len(weight)} --weight values for {len(paths)} inputs; give one per input or none")
         inputs = [MergeInput(p, (weight or [1.0] * len(paths))[i]) for i, p in enumerate(paths)]
-        params: dict[str, Any] = {k: v for k, v in (("density", density), ("scale", scale), ("gamma", gamma))
-                                  if v is not None}
+        given = {k: v for k, v in (("density", density), ("scale", scale), ("gamma", gamma)) if v is not None}
+        params: dict[str, Any] = {**policy_defaults(method), **given}
         base_dir, spec, out_dtype = base, MergeSpec(method, params), _dtype(dtype)
     result = merge_deltas(base_dir, inputs, spec, out, seed=seed or 0, out_dtype=out_dtype, delta_out=delta_out,
                           max_shard_bytes=parse_size(shard_size), overwrite=force, progress=not no_progress and not json,
