@@ -1,7 +1,8 @@
 """The coordinator role: each round, collect the deltas trained on the current checkpoint, screen them
 through the network's round strategy (manifest checks, caps, fetch, file checks, consensus, usefulness,
 weights: `node/rounds/`), merge what passes (robustly within a skill, then across skills with the network's
-method), evaluate every skill on the result, and publish checkpoint V+1 with a signed manifest that lists
+method; the merge guard takes a delta out and merges again while a skill ends worse than the parent),
+evaluate every skill on the result, and publish checkpoint V+1 with a signed manifest that lists
 every inclusion and rejection with its figures.
 
 A round never stalls on a peer: only online workers' deltas count, downloads have deadlines and a budget,
@@ -229,21 +230,22 @@ class Coordinator:
                            eval_seed=secrets.randbits(63), progress=self.progress)
         candidates = [Candidate(d) for d in sorted(deltas, key=lambda d: d.blob)]
         accepted = self.strategy.screen(ctx, candidates)
-        now = {r.blob for _, r in ctx.rejected}
-        rejected = [r for r in earlier if r.blob not in now] + [r for _, r in ctx.rejected]
-        keep = {c.manifest.blob for c in accepted}
-        for c, _ in ctx.rejected:  # a rejected blob is never merged: do not keep it (nor let it fill the disk)
-            if c.manifest.blob not in keep:
-                self.blobs.remove(c.manifest.blob)
-        if not accepted:
-            raise RoundRejected(current.version, rejected, ctx.eval_seed)
         staging = self.store.staging()
         try:
             out = staging / "ckpt"
-            failpoints.hit("coordinator.before_merge")
-            result = self.strategy.merge(ctx, self.strategy.groups(accepted), out, staging / "merged.safetensors",
-                                         **self.merge_options.kwargs())
-            failpoints.hit("coordinator.after_merge")
+            if accepted:
+                failpoints.hit("coordinator.before_merge")
+                result, accepted = self.strategy.merge_guarded(ctx, accepted, out, staging / "merged.safetensors",
+                                                               **self.merge_options.kwargs())
+                failpoints.hit("coordinator.after_merge")
+            now = {r.blob for _, r in ctx.rejected}
+            rejected = [r for r in earlier if r.blob not in now] + [r for _, r in ctx.rejected]
+            keep = {c.manifest.blob for c in accepted}
+            for c, _ in ctx.rejected:  # a rejected blob is never merged: do not keep it (nor let it fill the disk)
+                if c.manifest.blob not in keep:
+                    self.blobs.remove(c.manifest.blob)
+            if not accepted:
+                raise RoundRejected(current.version, rejected, ctx.eval_seed)
             self.state = "evaluating"
             metrics = self.strategy.evaluate(out, list(self.spec.skills), self.eval_n)
             delta_sha = self.blobs.add_file(staging / "merged.safetensors", move=True)

@@ -16,7 +16,8 @@ from skillswarm.node.rounds.admission import Admission, Caps
 from skillswarm.node.rounds.inspection import Consensus, Inspect
 from skillswarm.node.rounds.reputation import Reputation, reputations
 from skillswarm.node.rounds.strategy import Weigh
-from skillswarm.node.rounds.usefulness import Paired, _undecided, pocock_level, sign_test_p
+from skillswarm.node.rounds.paired import Paired, pocock_level, sign_test_p
+from skillswarm.node.rounds.usefulness import _undecided
 from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.protocol.hashing import weights_hash
 from skillswarm.protocol.identity import Identity
@@ -243,3 +244,57 @@ def test_weights_follow_reputation_and_a_strategy_runs_its_steps_in_order(base: 
     assert weights == {proven.public_key_hex: round(2 / 3, 6), fresh.public_key_hex: 0.5}  # as the manifest holds it
     groups = strategy.groups(out)
     assert list(groups) == ["sort"] and sorted(w for _, w in groups["sort"]) == [0.5, round(2 / 3, 6)]
+
+
+def test_the_guard_finds_the_worst_significant_regression_and_the_delta_that_cost_it_most(base: Path,
+                                                                                        tmp_path: Path) -> None:
+    from skillswarm.node.rounds.guard import costliest, worst_regression
+
+    level = 0.1 / 2
+    merged = {"arith": Paired(10, 30, 300, 0.50, 0.4333),  # 20 more lost than won: p ~ 0.001
+              "sort": Paired(5, 12, 300, 0.50, 0.4767),  # behind, not significantly (p ~ 0.07 > 0.05)
+              "calc": Paired(40, 5, 300, 0.30, 0.4167)}  # better
+    assert worst_regression(merged, level) == ("arith", merged["arith"])
+    assert worst_regression({**merged, "arith": Paired(10, 9, 300, 0.5, 0.4967)}, level) is None
+    assert worst_regression({**merged, "sort": Paired(0, 40, 300, 0.5, 0.3667)}, level)[0] == "sort"  # the larger drop
+    a = Identity.generate()
+    own = _delta(tmp_path, "own", base, _values(1), a, skill="arith")
+    mild = _delta(tmp_path, "mild", base, _values(2), a, skill="sort")
+    costly = _delta(tmp_path, "costly", base, _values(3), a, skill="calc")
+    unmeasured = _delta(tmp_path, "unmeasured", base, _values(4), a, skill="sort")
+    measured = {own.manifest.blob: {"arith": Paired(30, 0, 300, 0.5, 0.6)},
+                mild.manifest.blob: {"arith": Paired(3, 6, 300, 0.5, 0.49)},
+                costly.manifest.blob: {"arith": Paired(2, 20, 300, 0.5, 0.44)}}
+    assert costliest([own, mild, costly, unmeasured], measured, "arith") is costly
+    assert costliest([own, mild, unmeasured], measured, "arith") is mild  # unmeasured counts as no change
+    assert costliest([own], measured, "arith") is own  # only the skill's own deltas: the least helpful of them
+
+
+def test_merge_guarded_merges_again_without_each_delta_the_guard_takes_out(base: Path, tmp_path: Path) -> None:
+    a = Identity.generate()
+    cands = [_delta(tmp_path, str(i), base, _values(i), a) for i in range(3)]
+    ctx = _ctx(base, tmp_path, _spec(base))
+    merged: list[list[str]] = []
+
+    class Script:  # takes out the first delta twice, then is satisfied
+        name = "guard"
+
+        def __call__(self, ctx: RoundContext, accepted: list[Candidate], merged_dir: Path) -> list[Candidate]:
+            assert (merged_dir / "model.safetensors").is_file()
+            return accepted[1:] if len(merged) < 3 else accepted
+
+    class Recording(RoundStrategy):
+        def merge(self, ctx, groups, out_dir, delta_out, **options):
+            merged.append([p.name for p, _ in groups["sort"]])
+            return super().merge(ctx, groups, out_dir, delta_out, **options)
+
+    result, kept = Recording(steps=[], guard=Script()).merge_guarded(ctx, list(cands), tmp_path / "out",
+                                                                       tmp_path / "merged.safetensors")
+    assert [sorted(m) for m in merged] == [["0.safetensors", "1.safetensors", "2.safetensors"],
+                                           ["1.safetensors", "2.safetensors"], ["2.safetensors"]]
+    assert kept == [cands[2]] and result.weights_hash == weights_hash(tmp_path / "out")
+    assert (tmp_path / "merged.safetensors").is_file()
+    # a guard that takes out every delta leaves no merge behind
+    out = RoundStrategy(steps=[], guard=lambda ctx, acc, d: []).merge_guarded(ctx, cands[:1], tmp_path / "o2",
+                                                                              tmp_path / "m2.safetensors")
+    assert out == (None, []) and not (tmp_path / "o2").exists() and not (tmp_path / "m2.safetensors").exists()

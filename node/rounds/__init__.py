@@ -4,9 +4,11 @@
 - admission.py   Admission (manifest-only checks) and Caps (per key, per round) before any download
 - fetching.py    Fetch: the round's blobs, concurrently, within its budget
 - inspection.py  Inspect (file structure, finiteness, norm claim and bounds) and Consensus (direction)
-- usefulness.py  Usefulness: paired held-out evaluation, one-sided sign tests
+- paired.py      paired comparisons of two models on the same tasks: sign test, Pocock's level for two looks
+- usefulness.py  Usefulness: each candidate against the parent, paired, on tasks seeded after publication
 - reputation.py  keys' records across rounds: gate, order, weight, say in the consensus
-- strategy.py    Weigh, the default steps, RoundStrategy (screen -> groups -> merge -> evaluate)
+- guard.py       MergeGuard: the merged model against the parent; takes out the costliest delta of a worse skill
+- strategy.py    Weigh, the default steps, RoundStrategy (screen -> groups -> merge, guarded -> evaluate)
 
 `coordinator.py` collects the round's manifests, runs a RoundStrategy, and commits and publishes.
 """

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from skillswarm.node.rounds.paired import Paired, Scores
 from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, NetworkSpec, Rejection
 
@@ -62,6 +63,10 @@ class RoundContext:
     rejected: list[tuple[Candidate, Rejection]] = field(default_factory=list)
     omitted: int = 0
     seconds: dict[str, float] = field(default_factory=dict)  # per step
+    # the usefulness test's measurements, for the merge guard: the parent's scores on its first look's tasks per
+    # skill, and each candidate's (by blob) paired figures on every skill
+    parent_scores: dict[str, Scores] = field(default_factory=dict)
+    measured: dict[str, dict[str, Paired]] = field(default_factory=dict)
 
     @functools.cached_property
     def max_delta_bytes(self) -> int:

@@ -1,11 +1,12 @@
-"""A round strategy: the ordered screening steps, how accepted deltas become per-skill groups, the merge,
-and the evaluation of the result. The coordinator runs one; a network that wants a stricter policy builds
+"""A round strategy: the ordered screening steps, how accepted deltas become per-skill groups, the merge (checked
+by the merge guard), and the evaluation of the result. The coordinator runs one; a network that wants a stricter policy builds
 its own (other steps, other order, another weighting) without touching `coordinator.py`.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any, Callable
 from skillswarm.node.rounds.admission import Admission, Caps
 from skillswarm.node.rounds.context import Candidate, RoundContext, Step
 from skillswarm.node.rounds.fetching import Fetch
+from skillswarm.node.rounds.guard import MergeGuard
 from skillswarm.node.rounds.inspection import Consensus, Inspect
 from skillswarm.node.rounds.reputation import reputation_of, reputations
 from skillswarm.node.rounds.usefulness import Usefulness
@@ -56,9 +58,10 @@ def evaluate_all(model_dir: Path, skills: list[str], n: int) -> dict[str, SkillM
 
 @dataclass
 class RoundStrategy:
-    """screen (the steps, in order) -> groups -> merge -> evaluate."""
+    """screen (the steps, in order) -> groups -> merge, checked by the guard -> evaluate."""
 
     steps: list[Step] = field(default_factory=default_steps)
+    guard: MergeGuard | None = field(default_factory=MergeGuard)  # None: the merge of what screening accepted stands
     evaluate: Callable[[Path, list[str], int], dict[str, SkillMetrics]] = evaluate_all
 
     def screen(self, ctx: RoundContext, candidates: list[Candidate]) -> list[Candidate]:
@@ -89,3 +92,17 @@ class RoundStrategy:
         return merge_checkpoint(ctx.base_dir, groups, ctx.spec.merge, out_dir, seed=ctx.parent.version,
                                 delta_out=delta_out, delta_codec=dense_codec_for(ctx.base_dir),
                                 base_hash=ctx.parent.weights_hash, progress=ctx.progress, **options)
+
+    def merge_guarded(self, ctx: RoundContext, accepted: list[Candidate], out_dir: Path, delta_out: Path,
+                      **options: Any) -> tuple[Any, list[Candidate]]:
+        """Merge `accepted`; while the guard takes a delta out, merge the rest again. Returns the last merge's
+        result and what it merged (None and [] when the guard took out every delta)."""
+        while accepted:
+            result = self.merge(ctx, self.groups(accepted), out_dir, delta_out, **options)
+            kept = accepted if self.guard is None else self.guard(ctx, accepted, out_dir)
+            if len(kept) == len(accepted):
+                return result, accepted
+            accepted = kept
+            shutil.rmtree(out_dir, ignore_errors=True)
+            delta_out.unlink(missing_ok=True)
+        return None, []

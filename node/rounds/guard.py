@@ -1,0 +1,86 @@
+"""The merge guard: a merged checkpoint must leave no skill significantly worse than its parent.
+
+The usefulness test judges each delta alone and tolerates a cost to other skills of up to `max_other_drop` per
+delta. Deltas that each stay under it can still cost a skill far more together: honest ones through
+interference, hostile ones by design (several keys, each just under the tolerance). So once the merge is
+written, the guard plays the merged model on the usefulness test's first-look tasks (the same seeded list, paired
+with the parent's recorded scores) and tests every skill with a one-sided sign test at the network's confidence
+shared among the skills (Bonferroni: when the merge changes nothing, at most 1 - confidence of rounds are stopped
+in error). When a skill is worse, the accepted delta that cost it the most alone (the usefulness test's figures)
+is taken out and the rest merged again; each pass takes one delta out, so a round merges at most once per delta.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from skillswarm.node.rounds.context import Candidate, RoundContext
+from skillswarm.node.rounds.paired import Paired, scores
+
+log = logging.getLogger(__name__)
+
+
+def worst_regression(merged: dict[str, Paired], level: float) -> tuple[str, Paired] | None:
+    """The skill the merged model is significantly worse at (more tasks lost than won, p <= `level`), the one with
+    the largest accuracy drop first; None when there is none."""
+    worse = [(s, p) for s, p in merged.items() if p.losses > p.wins and p.p_worse <= level]
+    return min(worse, key=lambda sp: (sp[1].gain, sp[1].p_worse, sp[0]), default=None)
+
+
+def costliest(accepted: list[Candidate], measured: dict[str, dict[str, Paired]], skill: str) -> Candidate:
+    """The accepted delta that cost `skill` the most when measured alone: another skill's when there is one (the
+    skill's own deltas each improved it), a delta measured without figures counting as no change."""
+    others = [c for c in accepted if c.skill != skill] or accepted
+
+    def alone(c: Candidate) -> float:
+        p = measured.get(c.manifest.blob, {}).get(skill)
+        return p.gain if p is not None else 0.0
+
+    return min(others, key=lambda c: (alone(c), c.manifest.blob))
+
+
+@dataclass
+class MergeGuard:
+    """Tests the merged model against its parent on every skill; takes out the costliest delta when one is worse."""
+
+    name: str = "guard"
+
+    def __call__(self, ctx: RoundContext, accepted: list[Candidate], merged_dir: Path) -> list[Candidate]:
+        """`accepted` when the merge in `merged_dir` leaves no skill significantly worse than the parent; else
+        `accepted` less the delta that cost the worst-off skill the most, which is rejected with the figures."""
+        policy = ctx.spec.screen
+        if policy.eval_n == 0 or not accepted:
+            return accepted
+        from skillswarm.node.rl.engines.hf import HFEngine
+
+        t0 = time.monotonic()
+        skills = list(ctx.spec.skills)
+        if any(s not in ctx.parent_scores for s in skills):  # a strategy without the usefulness test
+            parent = HFEngine.load(ctx.base_dir)
+            ctx.parent_scores.update({s: scores(parent, s, policy.eval_n, ctx.eval_seed) for s in skills})
+        engine = HFEngine.load(merged_dir)
+        merged = {s: Paired.compare(ctx.parent_scores[s], scores(engine, s, policy.eval_n, ctx.eval_seed))
+                  for s in skills}
+        ctx.seconds[self.name] = ctx.seconds.get(self.name, 0.0) + time.monotonic() - t0
+        alpha = 1.0 - policy.confidence
+        found = worst_regression(merged, alpha / len(skills))
+        if found is None:
+            log.info("round v%d: the merge of %d delta(s) leaves no skill worse (%s)", ctx.parent.version,
+                     len(accepted), ", ".join(f"{s} {p.gain:+.1%}" for s, p in merged.items()))
+            return accepted
+        skill, p = found
+        culprit = costliest(accepted, ctx.measured, skill)
+        alone = ctx.measured.get(culprit.manifest.blob, {}).get(skill)
+        alone_text = f"alone it changed {skill} by {alone.gain:+.1%}" if alone else "it was not measured alone"
+        figures = {"merged_gain": p.gain, "p_worse": p.p_worse, "deltas": float(len(accepted)),
+                   **({"alone_gain": alone.gain} if alone else {}),
+                   **{k: v for k, v in culprit.figures.items() if k in ("gain", "p_better")}}
+        ctx.reject(culprit, self.name,
+                   f"the merge with it leaves {skill} worse than the parent: {p.losses} tasks worse, {p.wins} better "
+                   f"of {p.n} (accuracy {p.accuracy_before:.1%} -> {p.accuracy_after:.1%}, p={p.p_worse:.3g}); "
+                   f"{alone_text}, the most of the {len(accepted)} merged", figures,
+                   harmful=alone is not None and alone.gain < 0 and alone.p_worse <= alpha)
+        return [c for c in accepted if c is not culprit]
