@@ -1,8 +1,9 @@
-"""The poisoning drill: the demo's setup (nano model, four skills, one honest RL delta per skill, the demo's
-task-arithmetic merge) with an adversary among the workers, screened by the network's default round
-strategy (manifest checks, caps, file checks, consensus, the usefulness test, reputation weights).
+"""The poisoning drill: the demo's setup (nano model, four skills, one honest RL round per skill with the demo
+workers' settings, the network's default merge) with an adversary among the workers, screened by the network's
+default round strategy (manifest checks, caps, file checks, consensus, the usefulness test, reputation weights)
+and merged under the merge guard.
 
-    .venv/bin/python bench/poison.py [--steps 50] [--eval-n 300] [--json]
+    .venv/bin/python bench/poison.py [--steps N] [--eval-n 300] [--json]
 
 Attacks, each published from fresh keys (no reputation: the worst case), against the skill with the
 largest honest gain (`target`) unless said otherwise:
@@ -11,8 +12,12 @@ largest honest gain (`target`) unless said otherwise:
 - backdoor: the honest delta plus a delta trained *against* another skill (gradient ascent on its
   demonstrations, i.e. a reward that punishes the right answer) at half the honest norm, published as
   the target skill (it still helps the target; it hurts the other skill);
-- sybil_k2: two keys publishing the same backdoor, agreeing with each other.
-For each: whether the attacker was included, and per skill the merged model's held-out accuracy (n =
+- sybil_k2: two keys publishing the same backdoor, agreeing with each other;
+- collusion_k3: three keys, each publishing for one of the three skills other than the backdoor's victim that
+  skill's honest delta plus a share of the backdoor's poison (`collusion_share`: 1/3, halved until one such delta
+  alone costs the victim less than 0.8 x `max_other_drop`): each passes the per-delta tolerance; merged, their
+  costs add up, which is what the merge guard is for.
+For each: whether the attacker was included (`screened_in`: past the per-delta screening, before the guard), and per skill the merged model's held-out accuracy (n =
 --eval-n, greedy, the fixed eval split) minus the clean merge's, in points. `unscreened` is what the
 same attack does when only the old screening runs (file checks and a norm outlier test against the
 round's median). Noise: at n = 300 one accuracy's standard error is at most 2.9 points; an attack that is
@@ -38,8 +43,9 @@ SKILLS = ["arith", "calc", "reverse", "sort"]
 
 
 def _honest(base: Path, work: Path, steps: int, minutes: float) -> dict[str, Path]:
-    """One RL round per skill on the base, as the demo's workers run it."""
-    from skillswarm.node.rl.config import TrainConfig
+    """One RL round per skill on the base, as the demo's workers run it (group size, batch, retain)."""
+    from skillswarm.node.demo import DemoConfig
+    from skillswarm.node.rl.config import TrainConfig, default_of
     from skillswarm.node.rl.run import train
 
     out = {}
@@ -48,9 +54,10 @@ def _honest(base: Path, work: Path, steps: int, minutes: float) -> dict[str, Pat
         if done.is_file():  # a kept --work directory: reuse the round
             out[skill] = done
             continue
-        cfg = TrainConfig(model_dir=base, skill=skill, steps=steps, out_dir=work / f"train-{skill}", group_size=8,
-                          batch=8, threads=1, eval_n=0, eval_every=0, save_every=0, codec="dense_fp32",
-                          max_minutes=minutes)
+        cfg = TrainConfig(model_dir=base, skill=skill, steps=steps, out_dir=work / f"train-{skill}",
+                          group_size=default_of(DemoConfig, "group_size"), batch=default_of(DemoConfig, "batch"),
+                          retain=default_of(DemoConfig, "retain"), retain_skills=tuple(k for k in SKILLS if k != skill),
+                          threads=1, eval_n=0, eval_every=0, save_every=0, codec="dense_fp32", max_minutes=minutes)
         result = train(cfg, progress=False)
         out[skill] = result.delta.path
         print(f"trained {skill}: {result.stats.steps} steps in {result.stats.seconds:.0f} s", file=sys.stderr)
@@ -83,8 +90,7 @@ class Drill:
         self.base_hash = weights_hash(base)
         coordinator = Identity.generate()
         self.spec = NetworkSpec(network="drill", base_model=str(base), base_hash=self.base_hash, skills=SKILLS,
-                                coordinators=[coordinator.public_key_hex], codec="dense_fp32",
-                                merge=MergePolicy(method="task_arithmetic", scale=0.6))
+                                coordinators=[coordinator.public_key_hex], codec="dense_fp32", merge=MergePolicy())
         self.parent = CheckpointManifest(network="drill", version=0, weights_hash=self.base_hash,
                                          files=[FileEntry(path="config.json", sha256="0" * 64, size=1)])
         self.n = 0
@@ -105,27 +111,29 @@ class Drill:
         return Candidate(manifest, path=path)
 
     def run(self, candidates: list[Any], screened: bool = True) -> tuple[list[Any], dict[str, float], dict]:
-        """Screen (the default steps, or only the old file checks), merge, evaluate every skill."""
+        """Screen (the default steps, or only the old file checks), merge (under the guard when screened), evaluate
+        every skill; info["screened_in"] holds the blobs past the screening steps, before the guard."""
         from skillswarm.node.rounds import RoundContext, RoundStrategy
+        from skillswarm.node.rounds.guard import MergeGuard
         from skillswarm.node.rounds.strategy import default_steps
         from skillswarm.protocol.transport.blobs import BlobStore
 
         steps = [s for s in default_steps() if s.name != "fetch"] if screened else [_OldScreen()]
         ctx = RoundContext(spec=self.spec, parent=self.parent, base_dir=self.base, blobs=BlobStore(self.work / "blobs"),
                            history=[self.parent], eval_seed=1234)
-        strategy = RoundStrategy(steps=steps)
-        accepted = strategy.screen(ctx, candidates)
-        info = {"seconds": dict(ctx.seconds), "rejected": [r.reason for _, r in ctx.rejected]}
-        key = (screened, frozenset(c.manifest.blob for c in accepted))
-        if key in self.cache:  # the same deltas merge to the same bits: the same accuracies
-            return accepted, self.cache[key], info
+        strategy = RoundStrategy(steps=steps, guard=MergeGuard() if screened else None)
+        screened_in = strategy.screen(ctx, candidates)
         self.n += 1
         out = self.work / f"merged-{self.n}"
-        strategy.merge(ctx, strategy.groups(accepted), out, self.work / f"merged-{self.n}.delta")
-        accuracy = {s: self.evaluate(out, s, n=self.eval_n).accuracy for s in SKILLS}
-        shutil.rmtree(out)
-        self.cache[key] = accuracy
-        return accepted, accuracy, info
+        _, accepted = strategy.merge_guarded(ctx, screened_in, out, self.work / f"merged-{self.n}.delta")
+        info = {"seconds": dict(ctx.seconds), "rejected": [r.reason for _, r in ctx.rejected],
+                "screened_in": {c.manifest.blob for c in screened_in}}
+        key = (screened, frozenset(c.manifest.blob for c in accepted))
+        if key not in self.cache:  # the same deltas merge to the same bits: the same accuracies
+            self.cache[key] = {s: self.evaluate(out, s, n=self.eval_n).accuracy for s in SKILLS} if accepted else \
+                {s: self.evaluate(self.base, s, n=self.eval_n).accuracy for s in SKILLS}
+        shutil.rmtree(out, ignore_errors=True)
+        return accepted, self.cache[key], info
 
 
 class _OldScreen:
@@ -144,10 +152,15 @@ class _OldScreen:
 
 
 def main() -> None:
+    from skillswarm.node.demo import DemoConfig
+    from skillswarm.node.rl.config import default_of
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="Base model (default: the nano model, built if needed).")
-    ap.add_argument("--steps", type=int, default=50, help="RL steps of each honest worker (the demo's round).")
-    ap.add_argument("--minutes", type=float, default=2.0, help="Time cap of each honest round (the demo's).")
+    ap.add_argument("--steps", type=int, default=default_of(DemoConfig, "steps_per_round"),
+                    help="RL steps of each honest worker (default: the demo's round).")
+    ap.add_argument("--minutes", type=float, default=default_of(DemoConfig, "minutes_per_round"),
+                    help="Time cap of each honest round (default: the demo's).")
     ap.add_argument("--eval-n", type=int, default=300, help="Held-out tasks per skill for the merged accuracies.")
     ap.add_argument("--work", type=Path, default=None, help="Work directory, kept (reuses trained deltas found there).")
     ap.add_argument("--json", action="store_true", help="Print one JSON object.")
@@ -190,21 +203,32 @@ def main() -> None:
             "backdoor": [backdoor],
             "sybil_k2": [backdoor, backdoor],
         }
+        # three keys, three skills (not the backdoor's victim), each its honest delta plus a share of the poison
+        # small enough that one alone costs the victim under the network's tolerance
+        colluders = [s for s in SKILLS if s != other]
+        poison = _values(against.path)
+        share = _share_under_tolerance(base, work, honest[colluders[0]], poison, mix, other, base_acc[other],
+                                       drill.spec.screen.max_other_drop, args.eval_n)
+        attacks["collusion_k3"] = [{k: v + share * mix * w for (k, v), w in zip(_values(honest[s]).items(),
+                                                                              poison.values())} for s in colluders]
         results = []
         for name, deltas in attacks.items():
-            paths = [_write(d, work / f"{name}-{i}.safetensors") for i, d in enumerate(deltas)]
+            skills = colluders if name == "collusion_k3" else [target] * len(deltas)
+            paths = [_write(d, work / f"{name}-{i}.safetensors", skill=k) for i, (d, k) in enumerate(zip(deltas, skills))]
             if name == "sybil_k2":  # two keys, the same values in two distinct files (other metadata)
-                paths[1] = _write(deltas[1], work / "sybil-copy.safetensors", skill=target)
-            attackers = [drill.candidate(p, target) for p in paths]
+                paths[1] = _write(deltas[1], work / "sybil-copy.safetensors", skill=target, base_hash=drill.base_hash)
+            attackers = [drill.candidate(p, k) for p, k in zip(paths, skills)]
             blobs = {a.manifest.blob for a in attackers}
             accepted, acc, info = drill.run([drill.candidate(p, s) for s, p in honest.items()] + attackers)
             included = any(c.manifest.blob in blobs for c in accepted)
             old_in, old_acc, _ = drill.run([drill.candidate(p, s) for s, p in honest.items()]
-                                           + [drill.candidate(p, target) for p in paths], screened=False)
+                                           + [drill.candidate(p, k) for p, k in zip(paths, skills)], screened=False)
             per_skill = {s: round(100 * (acc[s] - clean[s]), 2) for s in SKILLS}
             results.append({
-                "name": name, "included": included, "max_loss_pts": round(max(0.0, -min(per_skill.values())), 2),
+                "name": name, "included": included, "screened_in": len(blobs & info["screened_in"]),
+                "attackers": len(blobs), "max_loss_pts": round(max(0.0, -min(per_skill.values())), 2),
                 "per_skill": per_skill, "eval_seconds": round(info["seconds"].get("usefulness", 0.0), 1),
+                "guard_seconds": round(info["seconds"].get("guard", 0.0), 1),
                 "rejected": info["rejected"],
                 "unscreened": {"included": any(c.manifest.blob in blobs for c in old_in),
                                "max_loss_pts": round(max(0.0, -min(100 * (old_acc[s] - old_clean[s]) for s in SKILLS)), 2)},
@@ -217,7 +241,7 @@ def main() -> None:
                       "unscreened_accuracy": old_clean,
                       "eval_seconds": round(clean_info["seconds"].get("usefulness", 0.0), 1),
                       "rejected": clean_info["rejected"]},
-            "target": target, "backdoor_against": other, "eval_n": args.eval_n,
+            "target": target, "backdoor_against": other, "eval_n": args.eval_n, "collusion_share": share,
             "seconds": round(time.monotonic() - t0, 1),
         }
     finally:
@@ -228,10 +252,27 @@ def main() -> None:
         return
     print(f"clean merge: {report['clean']}")
     for r in report["attacks"]:
-        print(f"{r['name']:17s} included={r['included']!s:5s} max loss {r['max_loss_pts']:6.2f} pts  "
+        print(f"{r['name']:17s} included={r['included']!s:5s} (past screening {r['screened_in']}/{r['attackers']}) "
+              f"max loss {r['max_loss_pts']:6.2f} pts  "
               f"unscreened: included={r['unscreened']['included']!s:5s} loss {r['unscreened']['max_loss_pts']:6.2f} pts  "
-              f"eval {r['eval_seconds']} s")
+              f"eval {r['eval_seconds']} s, guard {r['guard_seconds']} s")
     print(f"{report['seconds']:.0f} s in all")
+
+
+def _share_under_tolerance(base: Path, work: Path, honest: Path, poison: dict[str, Any], mix: float, victim: str,
+                           victim_base: float, tolerance: float, n: int) -> float:
+    """The largest share of the poison (1/3, halved up to 6 times) with which `honest` plus it costs `victim` less
+    than 0.8 x `tolerance` alone."""
+    share = 1 / 3
+    for _ in range(6):
+        probe = _write({k: v + share * mix * w for (k, v), w in zip(_values(honest).items(), poison.values())},
+                       work / "collusion-probe.safetensors")
+        cost = victim_base - evaluate_with(base, probe, victim, n, work)
+        print(f"collusion share {share:.4f}: one delta alone costs {victim} {100 * cost:.1f} points", file=sys.stderr)
+        if cost < 0.8 * tolerance:
+            break
+        share /= 2
+    return share
 
 
 def evaluate_with(base: Path, delta: Path, skill: str, n: int, work: Path) -> float:

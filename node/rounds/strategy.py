@@ -61,7 +61,8 @@ class RoundStrategy:
     """screen (the steps, in order) -> groups -> merge, checked by the guard -> evaluate."""
 
     steps: list[Step] = field(default_factory=default_steps)
-    guard: MergeGuard | None = field(default_factory=MergeGuard)  # None: the merge of what screening accepted stands
+    # takes out what the merge should not hold (MergeGuard's call); None: the merge of what screening accepted stands
+    guard: Callable[[RoundContext, list[Candidate], Path], list[Candidate]] | None = field(default_factory=MergeGuard)
     evaluate: Callable[[Path, list[str], int], dict[str, SkillMetrics]] = evaluate_all
 
     def screen(self, ctx: RoundContext, candidates: list[Candidate]) -> list[Candidate]:

@@ -48,7 +48,7 @@ class Usefulness:
         skills = list(ctx.spec.skills)
         before = {s: scores(engine, s, policy.eval_n, ctx.eval_seed) for s in skills}
         ctx.parent_scores.update(before)  # the merge guard pairs the merged model with the parent on these tasks
-        second: dict[str, list[tuple[float, bool]]] = {}  # the parent on the second look's tasks, when needed
+        second: dict[str, Scores] = {}  # the parent on the second look's tasks, when needed
         second_ok: list[bool] = []  # whether every skill's split has them (asked once a round, when first needed)
 
         def second_look_possible() -> bool:
