@@ -71,6 +71,11 @@ def _values(path: Path) -> dict[str, Any]:
         return dict(f.items())
 
 
+def _plus(values: dict[str, Any], poison: dict[str, Any], scale: float) -> dict[str, Any]:
+    """`values` + `scale` x `poison`, tensor by tensor (both deltas of the same model)."""
+    return {k: v + scale * poison[k] for k, v in values.items()}
+
+
 def _write(values: dict[str, Any], path: Path, **meta: str) -> Path:
     from skillswarm.merge.deltas import encode_delta
 
@@ -194,7 +199,8 @@ def main() -> None:
         noise_norm = sum(float((v.double() ** 2).sum()) for v in noise.values()) ** 0.5
         against = sft_delta(base, other, work / "against.safetensors", steps=30, lr=3e-4, against=True)
         mix = 0.5 * norm / against.norm  # the poison at half the honest delta's norm: it still helps its skill
-        backdoor = {k: v + mix * w for (k, v), w in zip(t_vals.items(), _values(against.path).values())}
+        poison = _values(against.path)
+        backdoor = _plus(t_vals, poison, mix)
         attacks = {
             "sign_flip": [{k: -v for k, v in t_vals.items()}],
             "scale_x5": [{k: v * 5 for k, v in t_vals.items()}],
@@ -206,11 +212,9 @@ def main() -> None:
         # three keys, three skills (not the backdoor's victim), each its honest delta plus a share of the poison
         # small enough that one alone costs the victim under the network's tolerance
         colluders = [s for s in SKILLS if s != other]
-        poison = _values(against.path)
         share = _share_under_tolerance(base, work, honest[colluders[0]], poison, mix, other, base_acc[other],
                                        drill.spec.screen.max_other_drop, args.eval_n)
-        attacks["collusion_k3"] = [{k: v + share * mix * w for (k, v), w in zip(_values(honest[s]).items(),
-                                                                              poison.values())} for s in colluders]
+        attacks["collusion_k3"] = [_plus(_values(honest[s]), poison, share * mix) for s in colluders]
         results = []
         for name, deltas in attacks.items():
             skills = colluders if name == "collusion_k3" else [target] * len(deltas)
@@ -265,8 +269,7 @@ def _share_under_tolerance(base: Path, work: Path, honest: Path, poison: dict[st
     than 0.8 x `tolerance` alone."""
     share = 1 / 3
     for _ in range(6):
-        probe = _write({k: v + share * mix * w for (k, v), w in zip(_values(honest).items(), poison.values())},
-                       work / "collusion-probe.safetensors")
+        probe = _write(_plus(_values(honest), poison, share * mix), work / "collusion-probe.safetensors")
         cost = victim_base - evaluate_with(base, probe, victim, n, work)
         print(f"collusion share {share:.4f}: one delta alone costs {victim} {100 * cost:.1f} points", file=sys.stderr)
         if cost < 0.8 * tolerance:
