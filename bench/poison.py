@@ -89,13 +89,14 @@ class Drill:
         from skillswarm.node.rl.evaluation import evaluate
         from skillswarm.protocol.hashing import weights_hash
         from skillswarm.protocol.identity import Identity
-        from skillswarm.protocol.records import CheckpointManifest, FileEntry, MergePolicy, NetworkSpec
+        from skillswarm.protocol.records import DEFAULT_LAMBDA_SEARCH, CheckpointManifest, FileEntry, MergePolicy, NetworkSpec
 
         self.base, self.work, self.eval_n, self.evaluate = base, work, eval_n, evaluate
         self.base_hash = weights_hash(base)
         coordinator = Identity.generate()
         self.spec = NetworkSpec(network="drill", base_model=str(base), base_hash=self.base_hash, skills=SKILLS,
-                                coordinators=[coordinator.public_key_hex], codec="dense_fp32", merge=MergePolicy())
+                                coordinators=[coordinator.public_key_hex], codec="dense_fp32",
+                                merge=MergePolicy(scale_search=list(DEFAULT_LAMBDA_SEARCH)))  # as `net init` writes it
         self.parent = CheckpointManifest(network="drill", version=0, weights_hash=self.base_hash,
                                          files=[FileEntry(path="config.json", sha256="0" * 64, size=1)])
         self.n = 0
@@ -126,7 +127,9 @@ class Drill:
         steps = [s for s in default_steps() if s.name != "fetch"] if screened else [_OldScreen()]
         ctx = RoundContext(spec=self.spec, parent=self.parent, base_dir=self.base, blobs=BlobStore(self.work / "blobs"),
                            history=[self.parent], eval_seed=1234)
-        strategy = RoundStrategy(steps=steps, guard=MergeGuard() if screened else None)
+        # the unscreened round is the merge before any of this: no guard, and the network's lambda
+        strategy = RoundStrategy(steps=steps, guard=MergeGuard() if screened else None,
+                                 **({} if screened else {"search": None}))
         screened_in = strategy.screen(ctx, candidates)
         self.n += 1
         out = self.work / f"merged-{self.n}"

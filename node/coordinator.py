@@ -256,7 +256,7 @@ class Coordinator:
                 merged_delta=FileEntry(path="merged_delta.safetensors", sha256=delta_sha, size=self.blobs.size(delta_sha),
                                        tree=self.blobs.tree(delta_sha)),
                 method=self.spec.merge.method, aggregator=self.spec.merge.aggregator,
-                params=merge_params(self.spec.merge, current.version),
+                params=merge_params(ctx.merge_policy or self.spec.merge, current.version),
                 included=[DeltaRef(blob=c.manifest.blob, author=c.author, skill=c.skill, weight=c.weight,
                                    norm=c.norm or 0.0, figures=clean_figures(c.figures)) for c in accepted],
                 rejected=rejected[:128], omitted=ctx.omitted + max(0, len(rejected) - 128), eval_seed=ctx.eval_seed,
@@ -271,7 +271,8 @@ class Coordinator:
         self.state = "idle"
         report = RoundReport(manifest, time.monotonic() - t0, len(accepted) + len(rejected), rejected, dict(ctx.seconds))
         self.on_event("merged", {"version": manifest.version, "included": len(accepted), "rejected": len(rejected),
-                                 "metrics": {k: v.accuracy for k, v in metrics.items()}, "seconds": report.seconds})
+                                 "metrics": {k: v.accuracy for k, v in metrics.items()}, "seconds": report.seconds,
+                                 "lambda": manifest.params.get("lambda")})
         return report
 
     def skip_round(self, current: CheckpointManifest, rejected: list[Rejection], eval_seed: int | None) -> RoundReport:

@@ -35,6 +35,7 @@ from skillswarm.protocol.hashing import weights_hash
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.netspec import save_spec
 from skillswarm.protocol.records import (
+    DEFAULT_LAMBDA_SEARCH,
     CheckpointManifest,
     DeltaManifest,
     MergeMethod,
@@ -68,6 +69,7 @@ class DemoConfig:
     density: float = MergePolicy().density
     # The network's: with the workers' retain loss the deltas of a round add up at full strength (README, "The swarm")
     scale: float = MergePolicy().scale
+    scale_search: list[float] = field(default_factory=lambda: list(DEFAULT_LAMBDA_SEARCH))  # other lambdas, on evidence
     compare: list[str] = field(default_factory=lambda: ["task_arithmetic@1", "task_arithmetic@0.6"])  # re-merge the last round
     eval_n: int = EVAL_N
     retention_n: int = RETENTION_N  # held-out tasks per skill of the final re-measure
@@ -174,7 +176,8 @@ def make_spec(cfg: DemoConfig, base: Path, coordinator: Identity) -> NetworkSpec
         network=NETWORK, description="skillswarm demo on 127.0.0.1", base_model=str(base), base_hash=weights_hash(base),
         skills=list(cfg.skills), coordinators=[coordinator.public_key_hex], codec="dense_fp32",
         round=RoundPolicy(steps_per_round=cfg.steps_per_round, min_deltas=len(cfg.skills), max_wait_s=cfg.timeout_s),
-        merge=MergePolicy(method=cfg.method, density=cfg.density, scale=cfg.scale),  # type: ignore[arg-type]
+        merge=MergePolicy(method=cfg.method, density=cfg.density, scale=cfg.scale,  # type: ignore[arg-type]
+                          scale_search=cfg.scale_search),
         screen=cfg.screen,
     ))
 

@@ -185,6 +185,24 @@ class MergePolicy(_Part, kw_only=True):
     scale: Annotated[float, Meta(gt=0.0, le=100.0)] = msgspec.field(default=1.0, name="lambda")
     trim_fraction: Annotated[float, Meta(ge=0.0, lt=0.5)] = 0.1
     max_norm_ratio: Annotated[float, Meta(ge=1.0, le=1e6)] = 5.0  # reject norms above ratio * median
+    # Other lambdas a coordinator merges a round at, keeping one only where it beats `lambda` significantly on the
+    # usefulness test's tasks (node/rounds/scale_search.py). UNSET, as in a network file written before this
+    # existed, encodes as nothing and searches nothing; `net init` and the demo write DEFAULT_LAMBDA_SEARCH.
+    scale_search: Annotated[list[Annotated[float, Meta(gt=0.0, le=100.0)]], Meta(max_length=4)] | UnsetType = \
+        msgspec.field(default=UNSET, name="lambda_search")
+
+    def scales(self) -> list[float]:
+        """`lambda` first, then the other lambdas to try, each once."""
+        out = [self.scale]
+        for s in [] if self.scale_search is UNSET else self.scale_search:
+            if s not in out:
+                out.append(s)
+        return out
+
+
+# The round's first deltas, large and trained from one model, lost 10-21 points (summed over the 4 skills) to their
+# specialists merged at lambda 1 and 9-11 at 1.25-1.5; later rounds' were best at 1 (README, "Choosing lambda").
+DEFAULT_LAMBDA_SEARCH = (1.25, 1.5)
 
 
 class TrustPolicy(_Part, kw_only=True):

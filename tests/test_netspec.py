@@ -11,6 +11,7 @@ from skillswarm.protocol.errors import SpecError
 from skillswarm.protocol.hashing import weights_hash
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.netspec import load_spec, parse_spec, save_spec, spec_to_toml
+from skillswarm.protocol.records import DEFAULT_LAMBDA_SEARCH
 from tests.conftest import run_cli
 
 
@@ -26,6 +27,13 @@ def test_net_init_writes_a_valid_signed_spec(tmp_path: Path, tiny_model_dir: Pat
     assert spec.author == me.public_key_hex and len(spec.signature) == 64
     assert spec.merge.method == "task_arithmetic" and spec.merge.scale == 0.7
     assert "lambda = 0.7" in out.read_text()  # TOML uses mergekit's word
+    # the other lambdas a coordinator may merge at, on evidence: the default ones unless given (the network's own
+    # lambda among them is tried once)
+    assert spec.merge.scales() == [0.7, *DEFAULT_LAMBDA_SEARCH]
+    only = tmp_path / "only.toml"
+    run_cli("net", "init", "--name", "alpha", "--model", str(tiny_model_dir), "--skill", "arith", "--lambda", "0.7",
+            "--lambda-search", "0.7", "--out", str(only))
+    assert load_spec(only).merge.scales() == [0.7]
     shown = json.loads(run_cli("net", "show", str(out), "--json").stdout)
     assert shown["network"] == "alpha" and shown["merge"]["lambda"] == 0.7
     assert json.loads(run_cli("net", "show", "--network", str(out), "--json").stdout) == shown  # as every command takes it
@@ -123,6 +131,7 @@ def test_plugin_versions_are_signed_and_old_files_still_verify(tmp_path: Path) -
                       screen=ScreenPolicy(eval_n=128))
     verify_record(old, network="old")  # a file without plugin versions encodes exactly as it did
     assert old.plugin_versions() == {} and b"skill_versions" not in canonical_bytes(old)
+    assert b"lambda_search" not in canonical_bytes(old) and old.merge.scales() == [1.0]  # it searches no lambda
     assert load_spec(save_spec(old, tmp_path / "old.toml")) == old and "skill_versions" not in spec_to_toml(old)
 
     key = Identity.generate()

@@ -112,3 +112,36 @@ def test_the_guard_takes_out_of_the_merge_a_delta_whose_cost_the_tolerance_let_t
     assert r.figures["harmful"] == 1.0  # alone it cost reverse significantly
     # the guard's second pass found the honest delta alone leaves no skill worse; alone it lifts reverse
     assert ctx.measured[good.manifest.blob]["reverse"].gain > 0
+
+
+def test_the_merge_takes_another_lambda_only_where_it_is_significantly_better(nano_model: Path, honest: DeltaInfo,
+                                                                                tmp_path: Path) -> None:
+    # The honest reverse delta merged at a network lambda of 0.2 keeps little of its gain; at 1 all of it, which the
+    # first-look tasks show: the search takes 1, writes that merge, and says so for the manifest. A network at lambda
+    # 1 offered 0.2 keeps 1. Task arithmetic: the merge of one delta at lambda L is the parent + L x the delta.
+    from skillswarm.merge import merge_checkpoint
+    from skillswarm.node.coordinator import merge_params, policy_from_manifest
+
+    torch.set_num_threads(1)
+    base_hash = weights_hash(nano_model)
+    for scale, other, chosen in [(0.2, 1.0, 1.0), (1.0, 0.2, 1.0)]:
+        spec = _spec(nano_model, screen=ScreenPolicy(eval_n=128, confidence=0.9),
+                     merge=MergePolicy(method="task_arithmetic", scale=scale, scale_search=[other]))
+        ctx = _ctx(nano_model, tmp_path, spec)
+        good = _candidate(honest.path, "reverse", base_hash)
+        out, delta = tmp_path / f"merged-{scale}", tmp_path / f"merged-{scale}.safetensors"
+        result, kept = RoundStrategy(steps=[]).merge_guarded(ctx, [good], out, delta)
+        assert kept == [good] and ctx.merge_policy is not None and ctx.merge_policy.scale == chosen
+        assert "lambda" in ctx.seconds and set(ctx.merged_scores) == set(SKILLS)
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(f"merged-{scale}")) == \
+            [out.name, delta.name]  # the other lambda's merge is gone
+        # what the manifest records recomputes the kept merge (what `coordinator run --verify` does)
+        params = merge_params(ctx.merge_policy, 0)
+        assert params["lambda"] == chosen
+        policy, seed = policy_from_manifest(CheckpointManifest(
+            network="use", version=1, parent_version=0, parent_hash=base_hash, weights_hash=result.weights_hash,
+            files=[FileEntry(path="config.json", sha256="1" * 64, size=2)], method="task_arithmetic",
+            aggregator="mean", params=params))
+        again = merge_checkpoint(nano_model, {"reverse": [(honest.path, 1.0)]}, policy, tmp_path / f"again-{scale}",
+                                 seed=seed, progress=False)
+        assert again.weights_hash == result.weights_hash == weights_hash(out)

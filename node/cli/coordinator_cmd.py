@@ -93,7 +93,8 @@ def run(
                 console.print(data["note"], highlight=False)
             elif kind == "merged":
                 accs = ", ".join(f"{k} {v:.2f}" for k, v in data["metrics"].items())
-                console.print(f"merged v{data['version']}: {data['included']} in, {data['rejected']} rejected, "
+                at = f" at lambda {data['lambda']:g}" if data.get("lambda") is not None else ""
+                console.print(f"merged v{data['version']}{at}: {data['included']} in, {data['rejected']} rejected, "
                               f"{data['seconds']:.1f}s; accuracy {accs}")
 
         coordinator = Coordinator(s.spec, s.identity, s.dht, s.store, s.blobs, eval_n=eval_n, on_event=event,

@@ -32,6 +32,11 @@ def demo_cmd(
     method: Annotated[str, typer.Option(help="Merge method across skills.")] = _d("method"),
     density: Annotated[float, typer.Option(help="Fraction of each delta kept by ties/dare/breadcrumbs.", min=0.01, max=1.0)] = _d("density"),
     lambda_: Annotated[float, typer.Option("--lambda", help="Scale of the merged task vector.", min=0.01, max=100.0)] = _d("scale"),
+    lambda_search: Annotated[Optional[list[float]], typer.Option(help="Another lambda the coordinator may merge a round "
+                                                                 "at where it scores significantly better; repeatable "
+                                                                 f"(default: {', '.join(f'{x:g}' for x in _d('scale_search'))}; "
+                                                                 "--lambda-search 1: only --lambda).",
+                                                            min=0.01, max=100.0)] = None,
     compare: Annotated[Optional[list[str]], typer.Option(help="Also re-merge the last round with METHOD or METHOD@LAMBDA and report its "
                                                         f"retention (default: {' and '.join(_d('compare'))}).")] = None,
     no_compare: Annotated[bool, typer.Option("--no-compare", help="Skip the re-merge comparison.")] = False,
@@ -56,6 +61,7 @@ def demo_cmd(
     skills = skill or list(DEMO_SKILLS)
     cfg = DemoConfig(out=out.resolve(), skills=skills, rounds=rounds, steps_per_round=steps_per_round,
                      minutes_per_round=minutes_per_round or None, method=method, density=density, scale=lambda_,
+                     **({'scale_search': lambda_search} if lambda_search else {}),
                      eval_n=eval_n, retention_n=retention_n, retain=retain, screen=ScreenPolicy(eval_n=screen_eval_n))
     if no_compare or compare:
         cfg.compare = [] if no_compare else compare

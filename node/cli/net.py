@@ -15,6 +15,7 @@ from skillswarm.protocol.records import (
     ADMISSIONS,
     CODECS,
     DEFAULT_CODEC,
+    DEFAULT_LAMBDA_SEARCH,
     MERGE_METHODS,
     MergePolicy,
     NetworkSpec,
@@ -77,6 +78,11 @@ def init(
     method: Annotated[str, typer.Option(help=f"Merge method: {', '.join(MERGE_METHODS)}.")] = _MERGE.method,
     density: Annotated[float, typer.Option(help="Fraction of each delta kept by ties/dare/breadcrumbs.")] = _MERGE.density,
     scale: Annotated[float, typer.Option("--lambda", help="Scale of the merged task vector.")] = _MERGE.scale,
+    lambda_search: Annotated[Optional[list[float]], typer.Option(help="Another lambda a coordinator may merge a round at "
+                                                                 "where it scores significantly better on held-out tasks; "
+                                                                 "repeatable (default: " + ", ".join(
+                                                                     f"{x:g}" for x in DEFAULT_LAMBDA_SEARCH) +
+                                                                 "; --lambda-search with the --lambda value: none).")] = None,
     codec: Annotated[str, typer.Option(help=f"Delta codec workers publish: {', '.join(CODECS)}.")] = DEFAULT_CODEC,
     steps_per_round: Annotated[int, typer.Option(help="Training steps per round.", min=1)] = _ROUND.steps_per_round,
     min_deltas: Annotated[int, typer.Option(help="Deltas a coordinator waits for before merging.", min=1)] = _ROUND.min_deltas,
@@ -105,7 +111,8 @@ def init(
                 "coordinators": coordinator or [ident.public_key_hex], "bootstrap": bootstrap or [], "codec": codec,
                 "round": {**msgspec.to_builtins(_ROUND), "steps_per_round": steps_per_round, "min_deltas": min_deltas,
                           "max_wait_s": max_wait},
-                "merge": {**msgspec.to_builtins(_MERGE), "method": method, "density": density, "lambda": scale},
+                "merge": {**msgspec.to_builtins(_MERGE), "method": method, "density": density, "lambda": scale,
+                          "lambda_search": lambda_search or list(DEFAULT_LAMBDA_SEARCH)},
                 "trust": {**msgspec.to_builtins(_TRUST), "admission": admission, "workers": worker or []},
                 "screen": {**msgspec.to_builtins(_SCREEN), "eval_n": screen_eval_n, "confidence": confidence},
                 **({"skill_versions": pins} if pins else {}),  # none: the file reads exactly as before plugins
@@ -142,7 +149,8 @@ def show(path: Annotated[Optional[Path], typer.Argument(help="Network file (the 
         ["coordinators", ", ".join(fingerprint(k) for k in spec.coordinators) or "(none: no checkpoint can be trusted)"],
         ["bootstrap", "\n".join(spec.bootstrap) or "(none)"], ["codec", spec.codec],
         ["round", f"{spec.round.steps_per_round} steps, >= {spec.round.min_deltas} deltas, <= {spec.round.max_wait_s:g} s"],
-        ["merge", f"{spec.merge.method} (density {spec.merge.density:g}, lambda {spec.merge.scale:g}, "
+        ["merge", f"{spec.merge.method} (density {spec.merge.density:g}, lambda {spec.merge.scale:g}"
+                  f"{''.join(f' or {x:g}' for x in spec.merge.scales()[1:])}, "
                   f"within a skill: {spec.merge.aggregator})"],
         ["admission", spec.trust.admission + (f" ({len(spec.trust.workers)} keys)" if spec.trust.admission == "allowlist"
                                               else f" (<= {spec.trust.max_deltas_per_author} deltas per key and "

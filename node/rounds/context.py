@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from skillswarm.node.rounds.paired import Paired, Scores
 from skillswarm.protocol.transport.blobs import BlobStore
-from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, NetworkSpec, Rejection
+from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, MergePolicy, NetworkSpec, Rejection
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,10 @@ class RoundContext:
     # skill, and each candidate's (by blob) paired figures on every skill
     parent_scores: dict[str, Scores] = field(default_factory=dict)
     measured: dict[str, dict[str, Paired]] = field(default_factory=dict)
+    # the last merge: the policy it used (the network's, at the lambda the search chose) and, when the search measured
+    # it, its scores on the first look's tasks (the guard reuses them)
+    merge_policy: MergePolicy | None = None
+    merged_scores: dict[str, Scores] = field(default_factory=dict)
 
     @functools.cached_property
     def max_delta_bytes(self) -> int:
@@ -74,6 +78,20 @@ class RoundContext:
         from skillswarm.merge.deltas import max_delta_bytes
 
         return max_delta_bytes(self.base_dir)
+
+    def first_look(self, model_dir: Path) -> dict[str, Scores]:
+        """A model's (reward, correct) on the usefulness test's first-look tasks, per skill (greedy)."""
+        from skillswarm.node.rl.engines.hf import HFEngine
+        from skillswarm.node.rounds.paired import scores
+
+        engine = HFEngine.load(model_dir)
+        return {s: scores(engine, s, self.spec.screen.eval_n, self.eval_seed) for s in self.spec.skills}
+
+    def parent_first_look(self) -> dict[str, Scores]:
+        """The parent's first-look scores: the usefulness test's, or measured now when no usefulness test ran."""
+        if any(s not in self.parent_scores for s in self.spec.skills):
+            self.parent_scores.update(self.first_look(self.base_dir))
+        return self.parent_scores
 
     def reject(self, cand: Candidate, step: str, reason: str, figures: dict[str, float] | None = None, *,
                harmful: bool = True) -> None:

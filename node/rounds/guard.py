@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from skillswarm.node.rounds.context import Candidate, RoundContext
-from skillswarm.node.rounds.paired import Paired, scores
+from skillswarm.node.rounds.paired import Paired
 
 log = logging.getLogger(__name__)
 
@@ -54,16 +54,11 @@ class MergeGuard:
         policy = ctx.spec.screen
         if policy.eval_n == 0 or not accepted:
             return accepted
-        from skillswarm.node.rl.engines.hf import HFEngine
-
         t0 = time.monotonic()
         skills = list(ctx.spec.skills)
-        if any(s not in ctx.parent_scores for s in skills):  # a strategy without the usefulness test
-            parent = HFEngine.load(ctx.base_dir)
-            ctx.parent_scores.update({s: scores(parent, s, policy.eval_n, ctx.eval_seed) for s in skills})
-        engine = HFEngine.load(merged_dir)
-        merged = {s: Paired.compare(ctx.parent_scores[s], scores(engine, s, policy.eval_n, ctx.eval_seed))
-                  for s in skills}
+        parent = ctx.parent_first_look()
+        after = ctx.merged_scores or ctx.first_look(merged_dir)  # the lambda search's measurement of this merge
+        merged = {s: Paired.compare(parent[s], after[s]) for s in skills}
         ctx.seconds[self.name] = ctx.seconds.get(self.name, 0.0) + time.monotonic() - t0
         alpha = 1.0 - policy.confidence
         found = worst_regression(merged, alpha / len(skills))

@@ -1,5 +1,5 @@
-"""A round strategy: the ordered screening steps, how accepted deltas become per-skill groups, the merge (checked
-by the merge guard), and the evaluation of the result. The coordinator runs one; a network that wants a stricter policy builds
+"""A round strategy: the ordered screening steps, how accepted deltas become per-skill groups, the merge (at the
+lambda the search picks, checked by the merge guard), and the evaluation of the result. The coordinator runs one; a network that wants a stricter policy builds
 its own (other steps, other order, another weighting) without touching `coordinator.py`.
 """
 
@@ -18,8 +18,9 @@ from skillswarm.node.rounds.fetching import Fetch
 from skillswarm.node.rounds.guard import MergeGuard
 from skillswarm.node.rounds.inspection import Consensus, Inspect
 from skillswarm.node.rounds.reputation import reputation_of, reputations
+from skillswarm.node.rounds.scale_search import Merge, ScaleSearch
 from skillswarm.node.rounds.usefulness import Usefulness
-from skillswarm.protocol.records import SkillMetrics
+from skillswarm.protocol.records import MergePolicy, SkillMetrics
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +59,14 @@ def evaluate_all(model_dir: Path, skills: list[str], n: int) -> dict[str, SkillM
 
 @dataclass
 class RoundStrategy:
-    """screen (the steps, in order) -> groups -> merge, checked by the guard -> evaluate."""
+    """screen (the steps, in order) -> groups -> merge at the searched lambda, checked by the guard -> evaluate."""
 
     steps: list[Step] = field(default_factory=default_steps)
     # takes out what the merge should not hold (MergeGuard's call); None: the merge of what screening accepted stands
     guard: Callable[[RoundContext, list[Candidate], Path], list[Candidate]] | None = field(default_factory=MergeGuard)
     evaluate: Callable[[Path, list[str], int], dict[str, SkillMetrics]] = evaluate_all
+    # picks the merge's lambda among the network's (ScaleSearch's call); None: the network's lambda
+    search: Callable[[RoundContext, Merge, Path, Path], Any] | None = field(default_factory=ScaleSearch)
 
     def screen(self, ctx: RoundContext, candidates: list[Candidate]) -> list[Candidate]:
         """Run every step on what the previous one let through; each step's seconds go to `ctx.seconds`."""
@@ -85,21 +88,30 @@ class RoundStrategy:
         return out
 
     def merge(self, ctx: RoundContext, groups: dict[str, list[tuple[Path, float]]], out_dir: Path, delta_out: Path,
-              **options: Any) -> Any:
-        """The network's merge of the groups onto the parent (a `merge.MergeResult`)."""
+              policy: MergePolicy | None = None, **options: Any) -> Any:
+        """The merge of the groups onto the parent (a `merge.MergeResult`) by `policy`, default the network's."""
         from skillswarm.merge import merge_checkpoint
         from skillswarm.merge.deltas import dense_codec_for
 
-        return merge_checkpoint(ctx.base_dir, groups, ctx.spec.merge, out_dir, seed=ctx.parent.version,
+        return merge_checkpoint(ctx.base_dir, groups, policy or ctx.spec.merge, out_dir, seed=ctx.parent.version,
                                 delta_out=delta_out, delta_codec=dense_codec_for(ctx.base_dir),
                                 base_hash=ctx.parent.weights_hash, progress=ctx.progress, **options)
 
+    def merge_searched(self, ctx: RoundContext, accepted: list[Candidate], out_dir: Path, delta_out: Path,
+                       **options: Any) -> Any:
+        """Merge `accepted` at the lambda the search picks (`ctx.merge_policy` says which), or the network's."""
+        groups = self.groups(accepted)
+        if self.search is None:
+            ctx.merge_policy, ctx.merged_scores = ctx.spec.merge, {}
+            return self.merge(ctx, groups, out_dir, delta_out, **options)
+        return self.search(ctx, lambda policy, d, f: self.merge(ctx, groups, d, f, policy=policy, **options), out_dir, delta_out)
+
     def merge_guarded(self, ctx: RoundContext, accepted: list[Candidate], out_dir: Path, delta_out: Path,
                       **options: Any) -> tuple[Any, list[Candidate]]:
-        """Merge `accepted`; while the guard takes a delta out, merge the rest again. Returns the last merge's
-        result and what it merged (None and [] when the guard took out every delta)."""
+        """Merge `accepted` (at the searched lambda); while the guard takes a delta out, merge the rest again.
+        Returns the last merge's result and what it merged (None and [] when the guard took out every delta)."""
         while accepted:
-            result = self.merge(ctx, self.groups(accepted), out_dir, delta_out, **options)
+            result = self.merge_searched(ctx, accepted, out_dir, delta_out, **options)
             kept = accepted if self.guard is None else self.guard(ctx, accepted, out_dir)
             if len(kept) == len(accepted):
                 return result, accepted

@@ -1,0 +1,156 @@
+"""Re-merge a finished demo run's rounds with other merge settings, and judge the coordinator's lambda search.
+
+For each round of `skillswarm demo --out DIR`, the deltas the coordinator included are merged again onto that
+round's parent with every `--merge` variant, and each merge is evaluated greedily on the first `--eval-n` held-out
+tasks per skill, against the round's specialists (parent + that skill's delta alone, as its worker measured it):
+how much of each specialist's accuracy the merge keeps, per skill, summed and at the worst skill. `--lambdas`
+plays the coordinator's search (node/rounds/scale_search.py) on each round's own first-look tasks (its eval seed)
+and reports the lambda it would keep and what that merge scores on the held-out tasks, beside lambda 1's.
+
+    .venv/bin/python bench/remerge.py --run runs/demo --merge ties=ties:density=0.3 --merge ties5=ties:density=0.5
+    .venv/bin/python bench/remerge.py --run runs/g1 --run runs/g2 --lambdas 1,1.25,1.5 --json
+
+Figures are this machine's evaluation of the saved deltas; nothing is trained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+NETWORK = "demo"
+
+
+def rounds_of(run: Path) -> list[dict[str, Any]]:
+    """Each merged round of a demo run: parent dir, included deltas' files by skill, eval seed, specialists."""
+    import msgspec
+
+    cks = run / "nodes" / "coordinator" / "cache" / "networks" / NETWORK / "checkpoints"
+    report = json.loads((run / "report.json").read_text())
+    out = []
+    for v in range(1, report["final_version"] + 1):
+        m = msgspec.msgpack.decode((cks / f"v{v}" / "manifest.msgpack").read_bytes())
+        groups: dict[str, list[tuple[Path, float]]] = {}
+        for d in m["included"]:
+            found = sorted(run.glob(f"nodes/*/cache/blobs/{d['blob']}"))
+            if not found:
+                raise SystemExit(f"{run}: delta {d['blob'][:12]} of v{v} is in no node's cache; was the run cleaned?")
+            groups.setdefault(d["skill"], []).append((found[0], 1.0))
+        if groups:
+            out.append({"version": v, "parent": cks / f"v{v - 1}", "groups": groups, "eval_seed": m["eval_seed"],
+                        "specialist": {s: x["after"] for s, x in report["specialists"][str(v - 1)].items()}})
+    return out
+
+
+def merged_into(parent: Path, groups: dict[str, Any], method: str, params: dict[str, Any], out: Path, seed: int) -> Path:
+    """The merge of `groups` onto `parent` (TIES' trimmed-mean aggregator within a skill, as the network)."""
+    from skillswarm.merge.streaming import MergeSpec, merge_checkpoint
+    from skillswarm.protocol.records import MergePolicy
+
+    merge_checkpoint(parent, groups, MergeSpec(method, params, MergePolicy().aggregator, MergePolicy().trim_fraction),
+                     out, seed=seed, progress=False)
+    return out
+
+
+def held_out(model: Path, skills: list[str], n: int, seed: int | None = None) -> dict[str, Any]:
+    """Per skill: accuracy on the first `n` held-out tasks and, with `seed`, rewards on that seed's tasks."""
+    from skillswarm.node.rl.engines.hf import HFEngine
+    from skillswarm.node.rl.evaluation import evaluate
+    from skillswarm.node.rounds.paired import scores
+
+    engine = HFEngine.load(model)
+    out: dict[str, Any] = {"accuracy": {s: evaluate(engine, s, n=n).accuracy for s in skills}}
+    if seed is not None:
+        out["first_look"] = {s: scores(engine, s, n, seed) for s in skills}
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", type=Path, action="append", required=True, help="a demo's --out (repeatable)")
+    parser.add_argument("--merge", action="append", default=[], help="LABEL=METHOD:KEY=VALUE,... (repeatable)")
+    parser.add_argument("--lambdas", default="", help="comma-separated lambdas for the search, the first the network's")
+    parser.add_argument("--eval-n", type=int, default=300)
+    parser.add_argument("--confidence", type=float, default=None, help="the search's (default: the network's)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).parent))
+    import torch
+    from interference import parse_merge
+
+    from skillswarm.node.rounds.scale_search import better, pooled
+    from skillswarm.protocol.records import ScreenPolicy
+
+    torch.set_num_threads(1)
+    merges = dict(parse_merge(m) for m in args.merge)
+    lambdas = [float(x) for x in args.lambdas.split(",") if x]
+    if not merges and not lambdas:
+        raise SystemExit("give --merge LABEL=METHOD:... and/or --lambdas 1,1.25,1.5")
+    confidence = args.confidence if args.confidence is not None else ScreenPolicy().confidence
+    rows = []
+    for run in args.run:
+        for r in rounds_of(run):
+            skills = sorted(r["specialist"])
+            row: dict[str, Any] = {"run": str(run), "version": r["version"], "specialist": r["specialist"], "merges": {}}
+            with tempfile.TemporaryDirectory(prefix="remerge-") as tmp:
+                for label, (method, params) in merges.items():
+                    d = merged_into(r["parent"], r["groups"], method, params, Path(tmp) / label, r["version"] - 1)
+                    row["merges"][label] = held_out(d, skills, args.eval_n)["accuracy"]
+                if lambdas:
+                    tried = []
+                    for lam in lambdas:
+                        d = merged_into(r["parent"], r["groups"], "ties", {"density": 0.3, "scale": lam},
+                                        Path(tmp) / f"lambda{lam:g}", r["version"] - 1)
+                        tried.append((lam, held_out(d, skills, args.eval_n, r["eval_seed"])))
+                    reference, keep = pooled(tried[0][1]["first_look"]), 0
+                    alpha = (1 - confidence) / max(1, len(lambdas) - 1)
+                    tests = {}
+                    for i, (lam, got) in enumerate(tried[1:], 1):
+                        wins, losses, p = better(pooled(got["first_look"]), reference)
+                        tests[f"{lam:g}"] = {"wins": wins, "losses": losses, "p": p}
+                        if wins > losses and p <= alpha and sum(pooled(got["first_look"])) > sum(
+                                pooled(tried[keep][1]["first_look"])):
+                            keep = i
+                    row["search"] = {"kept": tried[keep][0], "tests": tests,
+                                     "accuracy": {f"{lam:g}": got["accuracy"] for lam, got in tried}}
+            rows.append(row)
+            print(f"{run.name} v{r['version']} done", file=sys.stderr)
+
+    def short(acc: dict[str, float], spec: dict[str, float]) -> list[float]:
+        return [100 * (acc[s] - spec[s]) for s in sorted(spec)]
+
+    summary: dict[str, Any] = {}
+    for label in merges:
+        gaps = [short(row["merges"][label], row["specialist"]) for row in rows]
+        summary[label] = {"sum": sum(map(sum, gaps)) / len(gaps), "worst": sum(map(min, gaps)) / len(gaps)}
+    if lambdas:
+        for name, pick in (("lambda 1st", lambda row: f"{lambdas[0]:g}"), ("searched", lambda row: f"{row['search']['kept']:g}")):
+            gaps = [short(row["search"]["accuracy"][pick(row)], row["specialist"]) for row in rows]
+            summary[name] = {"sum": sum(map(sum, gaps)) / len(gaps), "worst": sum(map(min, gaps)) / len(gaps)}
+    report = {"runs": [str(r) for r in args.run], "eval_n": args.eval_n, "rows": rows, "summary": summary}
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"merged minus specialist, points (n={args.eval_n}; mean over {len(rows)} rounds)")
+    for col in ("merge", "summed over skills", "worst skill"):
+        table.add_column(col)
+    for label, s in summary.items():
+        table.add_row(label, f"{s['sum']:+.2f}", f"{s['worst']:+.2f}")
+    Console().print(table)
+    for row in rows:
+        if "search" in row:
+            tests = ", ".join(f"{k}: {t['wins']}/{t['losses']} p={t['p']:.3g}" for k, t in row["search"]["tests"].items())
+            Console().print(f"{Path(row['run']).name} v{row['version']}: kept lambda {row['search']['kept']:g} ({tests})",
+                            highlight=False)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
