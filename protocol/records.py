@@ -200,8 +200,9 @@ class MergePolicy(_Part, kw_only=True):
         return out
 
 
-# The round's first deltas, large and trained from one model, lost 10-21 points (summed over the 4 skills) to their
-# specialists merged at lambda 1 and 9-11 at 1.25-1.5; later rounds' were best at 1 (README, "Choosing lambda").
+# A demo's first deltas, large and trained from one model, lost 10-21 points (summed over the 4 skills) to their
+# specialists merged at lambda 1 and 6-11 at 1.25-1.5; later rounds were best at 1 (README, "Choosing lambda on
+# evidence").
 DEFAULT_LAMBDA_SEARCH = (1.25, 1.5)
 
 

@@ -104,7 +104,8 @@ class RoundStrategy:
         if self.search is None:
             ctx.merge_policy, ctx.merged_scores = ctx.spec.merge, {}
             return self.merge(ctx, groups, out_dir, delta_out, **options)
-        return self.search(ctx, lambda policy, d, f: self.merge(ctx, groups, d, f, policy=policy, **options), out_dir, delta_out)
+        return self.search(ctx, lambda policy, d, f: self.merge(ctx, groups, d, f, policy=policy, **options),
+                           out_dir, delta_out)
 
     def merge_guarded(self, ctx: RoundContext, accepted: list[Candidate], out_dir: Path, delta_out: Path,
                       **options: Any) -> tuple[Any, list[Candidate]]:
