@@ -37,3 +37,11 @@ def test_id_json_is_stable_and_creates_the_key() -> None:
 def test_unknown_option_is_a_usage_error() -> None:
     proc = run_cli("net", "init", "--bogus", check=False)
     assert proc.returncode == 2 and "bogus" in proc.stderr
+
+
+def test_the_checkpoints_table_shows_the_lambda_each_merge_used() -> None:
+    from skillswarm.node.cli.net_inspect import _method
+
+    assert _method({"method": "ties", "params": {"lambda": 1.5, "density": 0.3}}) == "ties @ 1.5"
+    assert _method({"method": "ties", "params": {}}) == "ties"  # a manifest that records no lambda
+    assert _method({"method": None, "params": {}}) == "base"

@@ -72,11 +72,19 @@ def checkpoints_cmd(network: NetworkOpt = Path("network.toml"), peers: PeersOpt 
         print_json(view)
         return
     rows = [[f"v{c['version']}", "-" if c["parent_version"] is None else f"v{c['parent_version']}", c["weights_hash"][:12],
-             c["method"] or "base", len(c["included"]), len(c["rejected"]),
+             _method(c), len(c["included"]), len(c["rejected"]),
              ", ".join(f"{k} {_pct(m['accuracy'])}" for k, m in sorted(c["metrics"].items())) or "-",
              fingerprint(c["author"]), _ago(time.time() - c["created"])] for c in view["checkpoints"]]
     console.print(table(f"checkpoints of {spec.network}", ["version", "parent", "weights", "method", "in", "out",
                                                             "accuracy", "coordinator", "published"], rows))
+
+
+def _method(c: dict) -> str:
+    """A checkpoint's merge method and the lambda it was merged at (which the coordinator may have searched)."""
+    if not c["method"]:
+        return "base"
+    scale = c.get("params", {}).get("lambda")
+    return c["method"] if scale is None else f"{c['method']} @ {scale:g}"
 
 
 @app.command("dashboard")
