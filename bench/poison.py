@@ -236,6 +236,7 @@ def main() -> None:
                 "attackers": len(blobs), "max_loss_pts": round(max(0.0, -min(per_skill.values())), 2),
                 "per_skill": per_skill, "eval_seconds": round(info["seconds"].get("usefulness", 0.0), 1),
                 "guard_seconds": round(info["seconds"].get("guard", 0.0), 1),
+                "lambda_seconds": round(info["seconds"].get("lambda", 0.0), 1),  # the search's merges and evaluations
                 "rejected": info["rejected"],
                 "unscreened": {"included": any(c.manifest.blob in blobs for c in old_in),
                                "max_loss_pts": round(max(0.0, -min(100 * (old_acc[s] - old_clean[s]) for s in SKILLS)), 2)},
@@ -262,7 +263,7 @@ def main() -> None:
         print(f"{r['name']:17s} included={r['included']!s:5s} (past screening {r['screened_in']}/{r['attackers']}) "
               f"max loss {r['max_loss_pts']:6.2f} pts  "
               f"unscreened: included={r['unscreened']['included']!s:5s} loss {r['unscreened']['max_loss_pts']:6.2f} pts  "
-              f"eval {r['eval_seconds']} s, guard {r['guard_seconds']} s")
+              f"eval {r['eval_seconds']} s, lambda search {r['lambda_seconds']} s, guard {r['guard_seconds']} s")
     print(f"{report['seconds']:.0f} s in all")
 
 
