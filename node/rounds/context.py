@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from skillswarm.node.rounds.paired import Paired, Scores
+from skillswarm.node.rounds.paired import Paired, Scores, scores
 from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, MergePolicy, NetworkSpec, Rejection
 
@@ -82,7 +82,6 @@ class RoundContext:
     def first_look(self, model_dir: Path) -> dict[str, Scores]:
         """A model's (reward, correct) on the usefulness test's first-look tasks, per skill (greedy)."""
         from skillswarm.node.rl.engines.hf import HFEngine
-        from skillswarm.node.rounds.paired import scores
 
         engine = HFEngine.load(model_dir)
         return {s: scores(engine, s, self.spec.screen.eval_n, self.eval_seed) for s in self.spec.skills}
