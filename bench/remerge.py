@@ -30,6 +30,9 @@ def rounds_of(run: Path) -> list[dict[str, Any]]:
     import msgspec
 
     cks = run / "nodes" / "coordinator" / "cache" / "networks" / NETWORK / "checkpoints"
+    if not (run / "report.json").is_file() or not cks.is_dir():
+        raise SystemExit(f"{run}: not a finished demo run (no report.json or coordinator checkpoints); give the --out "
+                         "of a `skillswarm demo` that ran to the end")
     report = json.loads((run / "report.json").read_text())
     out = []
     for v in range(1, report["final_version"] + 1):
