@@ -85,8 +85,8 @@ def main() -> int:
     import torch
     from interference import parse_merge
 
-    from skillswarm.node.rounds.scale_search import better, pooled
-    from skillswarm.protocol.records import ScreenPolicy
+    from skillswarm.node.rounds.scale_search import choose, pooled
+    from skillswarm.protocol.records import MergePolicy, ScreenPolicy
 
     torch.set_num_threads(1)
     merges = dict(parse_merge(m) for m in args.merge)
@@ -94,6 +94,7 @@ def main() -> int:
     if not merges and not lambdas:
         raise SystemExit("give --merge LABEL=METHOD:... and/or --lambdas 1,1.25,1.5")
     confidence = args.confidence if args.confidence is not None else ScreenPolicy().confidence
+    network = MergePolicy()  # the merge the search scales: the network's method and density
     rows = []
     for run in args.run:
         for r in rounds_of(run):
@@ -106,19 +107,17 @@ def main() -> int:
                 if lambdas:
                     tried = []
                     for lam in lambdas:
-                        d = merged_into(r["parent"], r["groups"], "ties", {"density": 0.3, "scale": lam},
+                        d = merged_into(r["parent"], r["groups"], network.method, {"density": network.density, "scale": lam},
                                         Path(tmp) / f"lambda{lam:g}", r["version"] - 1)
                         tried.append((lam, held_out(d, skills, args.eval_n, r["eval_seed"])))
-                    reference, keep = pooled(tried[0][1]["first_look"]), 0
                     alpha = (1 - confidence) / max(1, len(lambdas) - 1)
-                    tests = {}
-                    for i, (lam, got) in enumerate(tried[1:], 1):
-                        wins, losses, p = better(pooled(got["first_look"]), reference)
-                        tests[f"{lam:g}"] = {"wins": wins, "losses": losses, "p": p}
-                        if wins > losses and p <= alpha and sum(pooled(got["first_look"])) > sum(
-                                pooled(tried[keep][1]["first_look"])):
-                            keep = i
-                    row["search"] = {"kept": tried[keep][0], "tests": tests,
+                    looks = [pooled(got["first_look"]) for _, got in tried]
+                    keep, tests = choose(looks[0], looks[1:], alpha)
+                    # without the sign test: the highest total reward on the first-look tasks (ties: the first)
+                    highest = max(range(len(looks)), key=lambda i: (sum(r for r, _ in looks[i]), -i))
+                    row["search"] = {"kept": tried[keep][0], "highest": tried[highest][0],
+                                     "tests": {f"{lam:g}": {"wins": t.wins, "losses": t.losses, "p": t.p_better}
+                                               for (lam, _), t in zip(tried[1:], tests)},
                                      "accuracy": {f"{lam:g}": got["accuracy"] for lam, got in tried}}
             rows.append(row)
             print(f"{run.name} v{r['version']} done", file=sys.stderr)
@@ -131,7 +130,8 @@ def main() -> int:
         gaps = [short(row["merges"][label], row["specialist"]) for row in rows]
         summary[label] = {"sum": sum(map(sum, gaps)) / len(gaps), "worst": sum(map(min, gaps)) / len(gaps)}
     if lambdas:
-        for name, pick in (("lambda 1st", lambda row: f"{lambdas[0]:g}"), ("searched", lambda row: f"{row['search']['kept']:g}")):
+        for name, pick in (("lambda 1st", lambda row: f"{lambdas[0]:g}"), ("searched", lambda row: f"{row['search']['kept']:g}"),
+                           ("highest, no test", lambda row: f"{row['search']['highest']:g}")):
             gaps = [short(row["search"]["accuracy"][pick(row)], row["specialist"]) for row in rows]
             summary[name] = {"sum": sum(map(sum, gaps)) / len(gaps), "worst": sum(map(min, gaps)) / len(gaps)}
     report = {"runs": [str(r) for r in args.run], "eval_n": args.eval_n, "rows": rows, "summary": summary}

@@ -298,3 +298,18 @@ def test_merge_guarded_merges_again_without_each_delta_the_guard_takes_out(base:
     out = RoundStrategy(steps=[], guard=lambda ctx, acc, d: []).merge_guarded(ctx, cands[:1], tmp_path / "o2",
                                                                               tmp_path / "m2.safetensors")
     assert out == (None, []) and not (tmp_path / "o2").exists() and not (tmp_path / "m2.safetensors").exists()
+
+
+def test_the_lambda_search_keeps_an_alternative_only_on_significant_evidence() -> None:
+    from skillswarm.node.rounds.scale_search import choose
+
+    reference = [(0.0, False)] * 100
+    slightly = [(1.0, True)] * 6 + [(0.0, False)] * 94  # 6 tasks better, none worse: p = 1/64 > 0.01
+    clearly = [(1.0, True)] * 30 + [(0.0, False)] * 70  # 30 better
+    more = [(1.0, True)] * 40 + [(0.0, False)] * 60  # 40 better, the highest total
+    assert choose(reference, [slightly], alpha=0.01)[0] == 0
+    assert choose(reference, [slightly], alpha=0.05)[0] == 1
+    best, tests = choose(reference, [slightly, clearly, more], alpha=0.01)
+    assert best == 3 and [(t.wins, t.losses) for t in tests] == [(6, 0), (30, 0), (40, 0)]
+    worse = [(0.0, False)] * 100
+    assert choose(clearly, [reference, worse], alpha=0.5)[0] == 0  # fewer wins than losses is never kept

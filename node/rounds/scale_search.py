@@ -22,7 +22,7 @@ from typing import Any, Callable
 import msgspec
 
 from skillswarm.node.rounds.context import RoundContext
-from skillswarm.node.rounds.paired import Scores, sign_test_p
+from skillswarm.node.rounds.paired import Paired, Scores
 from skillswarm.protocol.records import MergePolicy
 
 log = logging.getLogger(__name__)
@@ -31,16 +31,22 @@ log = logging.getLogger(__name__)
 Merge = Callable[[MergePolicy, Path, Path], Any]
 
 
-def pooled(scores: dict[str, Scores]) -> list[float]:
-    """Every skill's per-task rewards in one list (skills in name order)."""
-    return [r for s in sorted(scores) for r, _ in scores[s]]
+def pooled(scores: dict[str, Scores]) -> Scores:
+    """Every skill's per-task (reward, correct) in one list (skills in name order)."""
+    return [x for s in sorted(scores) for x in scores[s]]
 
 
-def better(candidate: list[float], reference: list[float]) -> tuple[int, int, float]:
-    """Tasks the candidate scores higher on, lower on, and the sign test's p of "no better"."""
-    wins = sum(a > b for a, b in zip(candidate, reference))
-    losses = sum(a < b for a, b in zip(candidate, reference))
-    return wins, losses, sign_test_p(wins, losses)
+def choose(reference: Scores, alternatives: list[Scores], alpha: float) -> tuple[int, list[Paired]]:
+    """Which merge to keep (0: the reference, i: the i-th alternative), and each alternative paired with the
+    reference: an alternative is kept only if it wins more tasks than it loses with p <= `alpha`, the highest total
+    reward of those."""
+    best, best_total = 0, sum(r for r, _ in reference)
+    tests = [Paired.compare(reference, alt) for alt in alternatives]
+    for i, (alt, t) in enumerate(zip(alternatives, tests), 1):
+        total = sum(r for r, _ in alt)
+        if t.wins > t.losses and t.p_better <= alpha and total > best_total:
+            best, best_total = i, total
+    return best, tests
 
 
 @dataclass
@@ -64,15 +70,10 @@ class ScaleSearch:
                 d, f = (out_dir, delta_out) if i == 0 else (_beside(out_dir, i), _beside(delta_out, i))
                 result = merge(msgspec.structs.replace(policy, scale=scale), d, f)
                 tried.append((scale, d, f, result, ctx.first_look(d)))
-            reference = pooled(tried[0][4])
-            best, best_total = 0, sum(reference)
-            for i, (scale, *_, got) in enumerate(tried[1:], 1):
-                rewards = pooled(got)
-                wins, losses, p = better(rewards, reference)
+            best, tests = choose(pooled(tried[0][4]), [pooled(t[4]) for t in tried[1:]], alpha)
+            for (scale, *_), t in zip(tried[1:], tests):
                 log.info("round v%d: lambda %g against %g: %d tasks better, %d worse of %d (p=%.3g)", ctx.parent.version,
-                         scale, policy.scale, wins, losses, len(rewards), p)
-                if wins > losses and p <= alpha and sum(rewards) > best_total:
-                    best, best_total = i, sum(rewards)
+                         scale, policy.scale, t.wins, t.losses, t.n, t.p_better)
             scale, d, f, result, got = tried[best]
             if best:
                 shutil.rmtree(out_dir)
