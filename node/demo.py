@@ -36,6 +36,7 @@ from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.netspec import save_spec
 from skillswarm.protocol.records import (
     DEFAULT_LAMBDA_SEARCH,
+    DEFAULT_LR_DECAY,
     CheckpointManifest,
     DeltaManifest,
     MergeMethod,
@@ -65,6 +66,7 @@ class DemoConfig:
     # skills' steps) took 65 s on one 2-core machine and about 3 minutes on a slower one, where a 2-minute cap
     # ended its rounds at 12-23 steps (README, "The swarm on a second machine").
     minutes_per_round: float | None = 3.0
+    lr_decay: float = DEFAULT_LR_DECAY  # the workers' learning rate on vN: lr * lr_decay**N (RoundPolicy.lr_decay)
     method: str = MergePolicy().method
     density: float = MergePolicy().density
     # The network's: with the workers' retain loss the deltas of a round add up at full strength (README, "The swarm")
@@ -175,7 +177,8 @@ def make_spec(cfg: DemoConfig, base: Path, coordinator: Identity) -> NetworkSpec
     return coordinator.sign_record(NetworkSpec(
         network=NETWORK, description="skillswarm demo on 127.0.0.1", base_model=str(base), base_hash=weights_hash(base),
         skills=list(cfg.skills), coordinators=[coordinator.public_key_hex], codec="dense_fp32",
-        round=RoundPolicy(steps_per_round=cfg.steps_per_round, min_deltas=len(cfg.skills), max_wait_s=cfg.timeout_s),
+        round=RoundPolicy(steps_per_round=cfg.steps_per_round, min_deltas=len(cfg.skills), max_wait_s=cfg.timeout_s,
+                          lr_decay=cfg.lr_decay),
         merge=MergePolicy(method=cfg.method, density=cfg.density, scale=cfg.scale,  # type: ignore[arg-type]
                           scale_search=cfg.scale_search),
         screen=cfg.screen,
@@ -347,7 +350,7 @@ def make_report(cfg: DemoConfig, final: CheckpointManifest, history: list[Checkp
     return {
         "skills": skills, "method": cfg.method, "method_label": run_label, "methods": methods,
         "rounds": final.version, "steps_per_round": cfg.steps_per_round, "minutes_per_round": cfg.minutes_per_round,
-        "retain": cfg.retain,
+        "retain": cfg.retain, "lr_decay": cfg.lr_decay,
         "eval_n": cfg.eval_n, "retention_n": cfg.retention_n, "interval_level": LEVEL, "seconds": round(seconds, 1), "final_version": final.version,
         "weights_hash": final.weights_hash, "checkpoint": str(cfg.out / "final"),
         "history": [{"version": h.version, "included": len(h.included), "rejected": len(h.rejected),

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from skillswarm.node.pull import pull, share, wait_for_checkpoint
 from skillswarm.node.store import CheckpointStore, round_dir
@@ -26,6 +26,9 @@ from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, NetworkSpec, SkillStats, TrainStats
 from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.skills.registry import check_network, skill_names
+
+if TYPE_CHECKING:
+    from skillswarm.node.rl.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -112,20 +115,27 @@ class Worker:
         digest = hashlib.sha256(f"{self.identity.public_key_hex}:{self.opt.skill}:{version}".encode()).digest()
         return int.from_bytes(digest[:4], "big") >> 1
 
-    def train_round(self, current: CheckpointManifest, stop: threading.Event) -> DeltaManifest | None:
-        """Train on the shard from `current`, encode the delta, publish it; None when stopped early."""
-        from skillswarm.node.rl.config import TrainConfig
-        from skillswarm.node.rl.run import train
+    def round_config(self, current: CheckpointManifest) -> TrainConfig:
+        """This worker's training settings for its round on `current`: the network's steps and learning-rate
+        schedule (RoundPolicy.lr_decay), this round's seed, the other skills to retain, the node's overrides."""
+        from skillswarm.node.rl.config import TrainConfig, default_of
 
-        base_dir = self.store.path(current.version)
         run_dir = round_dir(self.store.root, self.opt.skill, current.version)
-        steps = self.opt.steps_per_round or self.spec.round.steps_per_round
-        self.state = "training"
         settings = {**ROUND_SETTINGS, "seed": self.round_seed(current.version), "max_minutes": self.opt.minutes_per_round,
                     "retain_skills": tuple(k for k in self.spec.skills if k in skill_names()), **self.opt.train}
-        cfg = TrainConfig(model_dir=base_dir, skill=self.opt.skill, steps=steps, out_dir=run_dir, lora=self.opt.lora,
-                          engine=self.opt.engine, resume=run_dir.exists(),
-                          codec="lora" if self.opt.lora else self.spec.codec, **settings)  # LoRA: the PEFT adapter itself
+        settings["lr"] = settings.get("lr", default_of(TrainConfig, "lr")) * self.spec.round.lr_factor(current.version)
+        return TrainConfig(model_dir=self.store.path(current.version), skill=self.opt.skill,
+                           steps=self.opt.steps_per_round or self.spec.round.steps_per_round, out_dir=run_dir,
+                           lora=self.opt.lora, engine=self.opt.engine, resume=run_dir.exists(),
+                           codec="lora" if self.opt.lora else self.spec.codec, **settings)  # LoRA: the PEFT adapter itself
+
+    def train_round(self, current: CheckpointManifest, stop: threading.Event) -> DeltaManifest | None:
+        """Train on the shard from `current`, encode the delta, publish it; None when stopped early."""
+        from skillswarm.node.rl.run import train
+
+        self.state = "training"
+        cfg = self.round_config(current)
+        steps = cfg.steps
 
         def on_step(metrics: dict) -> None:
             self._put_stats(TrainStats(steps=int(metrics.get("step", 0)), samples=int(metrics.get("samples", 0)),

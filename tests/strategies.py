@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 from hypothesis import strategies as st
+from msgspec import UNSET
 
 from skillswarm.protocol import records as r
 from skillswarm.protocol.identity import peer_id_from_public_key
@@ -54,7 +55,7 @@ network_specs = _record(
     skills=st.lists(names, min_size=1, max_size=5, unique=True), coordinators=st.lists(pubkeys, max_size=3, unique=True),
     bootstrap=st.lists(maddrs, max_size=3), codec=st.sampled_from(r.CODECS),
     round=st.builds(r.RoundPolicy, steps_per_round=st.integers(1, 1000), min_deltas=st.integers(1, 64),
-                    max_wait_s=st.floats(0.5, 1e5)),
+                    max_wait_s=st.floats(0.5, 1e5), lr_decay=st.just(UNSET) | st.floats(0.01, 1.0)),
     merge=st.builds(r.MergePolicy, method=st.sampled_from(r.MERGE_METHODS), aggregator=st.sampled_from(r.AGGREGATORS),
                     density=st.floats(0.01, 1.0), scale=st.floats(0.01, 10), trim_fraction=st.floats(0, 0.49),
                     max_norm_ratio=st.floats(1, 100)),

@@ -11,7 +11,7 @@ from skillswarm.protocol.errors import SpecError
 from skillswarm.protocol.hashing import weights_hash
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.netspec import load_spec, parse_spec, save_spec, spec_to_toml
-from skillswarm.protocol.records import DEFAULT_LAMBDA_SEARCH
+from skillswarm.protocol.records import DEFAULT_LAMBDA_SEARCH, DEFAULT_LR_DECAY, MIN_LR_FACTOR
 from tests.conftest import run_cli
 
 
@@ -30,10 +30,15 @@ def test_net_init_writes_a_valid_signed_spec(tmp_path: Path, tiny_model_dir: Pat
     # the other lambdas a coordinator may merge at, on evidence: the default ones unless given (the network's own
     # lambda among them is tried once)
     assert spec.merge.scales() == [0.7, *DEFAULT_LAMBDA_SEARCH]
+    # the workers' learning rate decays by checkpoint version, down to a floor
+    assert spec.round.lr_decay == DEFAULT_LR_DECAY
+    assert spec.round.lr_factor(0) == 1.0 and spec.round.lr_factor(2) == pytest.approx(DEFAULT_LR_DECAY ** 2)
+    assert spec.round.lr_factor(1000) == MIN_LR_FACTOR
     only = tmp_path / "only.toml"
     run_cli("net", "init", "--name", "alpha", "--model", str(tiny_model_dir), "--skill", "arith", "--lambda", "0.7",
-            "--lambda-search", "0.7", "--out", str(only))
+            "--lambda-search", "0.7", "--lr-decay", "1", "--out", str(only))
     assert load_spec(only).merge.scales() == [0.7]
+    assert load_spec(only).round.lr_factor(5) == 1.0  # --lr-decay 1: a constant rate
     shown = json.loads(run_cli("net", "show", str(out), "--json").stdout)
     assert shown["network"] == "alpha" and shown["merge"]["lambda"] == 0.7
     assert json.loads(run_cli("net", "show", "--network", str(out), "--json").stdout) == shown  # as every command takes it
@@ -132,6 +137,7 @@ def test_plugin_versions_are_signed_and_old_files_still_verify(tmp_path: Path) -
     verify_record(old, network="old")  # a file without plugin versions encodes exactly as it did
     assert old.plugin_versions() == {} and b"skill_versions" not in canonical_bytes(old)
     assert b"lambda_search" not in canonical_bytes(old) and old.merge.scales() == [1.0]  # it searches no lambda
+    assert b"lr_decay" not in canonical_bytes(old) and old.round.lr_factor(9) == 1.0  # nor decays the learning rate
     assert load_spec(save_spec(old, tmp_path / "old.toml")) == old and "skill_versions" not in spec_to_toml(old)
 
     key = Identity.generate()
@@ -145,3 +151,32 @@ def test_plugin_versions_are_signed_and_old_files_still_verify(tmp_path: Path) -
     unsigned = "\n".join(line for line in text.splitlines() if not line.startswith("signature"))
     with pytest.raises(SpecError, match="not among the network's `skills`"):
         parse_spec(unsigned.replace("count_vowels", "other").replace('"other",', '"count_vowels",', 1))
+
+
+def test_a_worker_trains_each_checkpoint_at_the_networks_learning_rate_schedule(tmp_path: Path) -> None:
+    import msgspec
+
+    from skillswarm.node.rl.config import TrainConfig, default_of
+    from skillswarm.node.store import CheckpointStore
+    from skillswarm.node.worker import Worker, WorkerOptions
+    from skillswarm.protocol.records import CheckpointManifest, NetworkSpec, RoundPolicy
+    from skillswarm.protocol.transport.blobs import BlobStore
+
+    key = Identity.generate()
+    spec = NetworkSpec(network="n", base_model="m", base_hash="ab" * 32, skills=["arith", "sort"],
+                       round=RoundPolicy(lr_decay=0.5))
+
+    def config(spec: NetworkSpec, version: int, **train: float) -> TrainConfig:
+        worker = Worker(spec, key, None, CheckpointStore(tmp_path / "store"), BlobStore(tmp_path / "blobs"),
+                        WorkerOptions(skill="arith", train=dict(train)))
+        parent = {"parent_version": version - 1, "parent_hash": "ef" * 32} if version else {}
+        return worker.round_config(CheckpointManifest(network="n", version=version, weights_hash="cd" * 32, files=[],
+                                                      **parent))
+
+    lr = default_of(TrainConfig, "lr")
+    assert config(spec, 0).lr == lr and config(spec, 1).lr == lr / 2 and config(spec, 2).lr == lr / 4
+    assert config(spec, 30).lr == lr * MIN_LR_FACTOR  # never below the floor
+    assert config(spec, 1, lr=1e-3).lr == 5e-4  # a node's own rate decays the same way
+    assert config(spec, 1).retain_skills == ("arith", "sort") and config(spec, 1).steps == spec.round.steps_per_round
+    constant = msgspec.structs.replace(spec, round=RoundPolicy())  # a file without lr_decay: the rate never changes
+    assert config(constant, 7).lr == lr

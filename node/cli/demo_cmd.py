@@ -29,6 +29,9 @@ def demo_cmd(
     rounds: Annotated[int, typer.Option(help="Merge rounds.", min=1)] = _d("rounds"),
     minutes_per_round: Annotated[float, typer.Option(help="At most this many training minutes per worker per round (0: no limit).", min=0)] = _d("minutes_per_round"),
     steps_per_round: Annotated[int, typer.Option(help="Optimizer steps per worker per round.", min=1)] = _d("steps_per_round"),
+    lr_decay: Annotated[float, typer.Option(help="Workers train on checkpoint vN at their learning rate times "
+                                                 "LR_DECAY**N (at least a quarter of it); 1: a constant rate.",
+                                            min=0.01, max=1.0)] = _d("lr_decay"),
     method: Annotated[str, typer.Option(help="Merge method across skills.")] = _d("method"),
     density: Annotated[float, typer.Option(help="Fraction of each delta kept by ties/dare/breadcrumbs.", min=0.01, max=1.0)] = _d("density"),
     lambda_: Annotated[float, typer.Option("--lambda", help="Scale of the merged task vector.", min=0.01, max=100.0)] = _d("scale"),
@@ -60,7 +63,7 @@ def demo_cmd(
 
     skills = skill or list(DEMO_SKILLS)
     cfg = DemoConfig(out=out.resolve(), skills=skills, rounds=rounds, steps_per_round=steps_per_round,
-                     minutes_per_round=minutes_per_round or None, method=method, density=density, scale=lambda_,
+                     lr_decay=lr_decay, minutes_per_round=minutes_per_round or None, method=method, density=density, scale=lambda_,
                      **({'scale_search': lambda_search} if lambda_search else {}),
                      eval_n=eval_n, retention_n=retention_n, retain=retain, screen=ScreenPolicy(eval_n=screen_eval_n))
     if no_compare or compare:
@@ -68,7 +71,8 @@ def demo_cmd(
     for text in [method, *cfg.compare]:
         parse_method(text, cfg)  # a typo fails now, not after the rounds
     if not json:
-        budget = f"{steps_per_round} steps" + (f" (at most {minutes_per_round:g} min)" if minutes_per_round else "")
+        budget = f"{steps_per_round} steps" + (f" (at most {minutes_per_round:g} min)" if minutes_per_round else "") + \
+            (f", learning rate x{lr_decay:g} a round" if lr_decay < 1 else "")
         console.print(f"skillswarm demo: {len(skills)} workers ({', '.join(skills)}), 1 coordinator, 1 bootstrap peer "
                       f"on 127.0.0.1; {rounds} rounds of {budget}; merge: {method}")
     base = build_with_progress()

@@ -16,6 +16,7 @@ from skillswarm.protocol.records import (
     CODECS,
     DEFAULT_CODEC,
     DEFAULT_LAMBDA_SEARCH,
+    DEFAULT_LR_DECAY,
     MERGE_METHODS,
     MergePolicy,
     NetworkSpec,
@@ -85,6 +86,9 @@ def init(
                                                                  "; --lambda-search with the --lambda value: none).")] = None,
     codec: Annotated[str, typer.Option(help=f"Delta codec workers publish: {', '.join(CODECS)}.")] = DEFAULT_CODEC,
     steps_per_round: Annotated[int, typer.Option(help="Training steps per round.", min=1)] = _ROUND.steps_per_round,
+    lr_decay: Annotated[float, typer.Option(help="Workers train on checkpoint vN at their learning rate times "
+                                                 "LR_DECAY**N (at least a quarter of it); 1: a constant rate.",
+                                            min=0.0, max=1.0)] = DEFAULT_LR_DECAY,
     min_deltas: Annotated[int, typer.Option(help="Deltas a coordinator waits for before merging.", min=1)] = _ROUND.min_deltas,
     max_wait: Annotated[float, typer.Option(help="Seconds a round waits at most.")] = _ROUND.max_wait_s,
     admission: Annotated[str, typer.Option(help=f"Who may publish deltas: {', '.join(ADMISSIONS)} (allowlist: only "
@@ -110,7 +114,7 @@ def init(
                 "base_revision": revision, "base_hash": base_hash, "skills": skill,
                 "coordinators": coordinator or [ident.public_key_hex], "bootstrap": bootstrap or [], "codec": codec,
                 "round": {**msgspec.to_builtins(_ROUND), "steps_per_round": steps_per_round, "min_deltas": min_deltas,
-                          "max_wait_s": max_wait},
+                          "max_wait_s": max_wait, "lr_decay": lr_decay},
                 "merge": {**msgspec.to_builtins(_MERGE), "method": method, "density": density, "lambda": scale,
                           "lambda_search": lambda_search or list(DEFAULT_LAMBDA_SEARCH)},
                 "trust": {**msgspec.to_builtins(_TRUST), "admission": admission, "workers": worker or []},
@@ -148,7 +152,8 @@ def show(path: Annotated[Optional[Path], typer.Argument(help="Network file (the 
                                           for n, v in pins.items())]] if pins else []),
         ["coordinators", ", ".join(fingerprint(k) for k in spec.coordinators) or "(none: no checkpoint can be trusted)"],
         ["bootstrap", "\n".join(spec.bootstrap) or "(none)"], ["codec", spec.codec],
-        ["round", f"{spec.round.steps_per_round} steps, >= {spec.round.min_deltas} deltas, <= {spec.round.max_wait_s:g} s"],
+        ["round", f"{spec.round.steps_per_round} steps, >= {spec.round.min_deltas} deltas, <= {spec.round.max_wait_s:g} s"
+                  + ("" if spec.round.lr_factor(1) == 1.0 else f", learning rate x{spec.round.lr_decay:g} per version")],
         ["merge", f"{spec.merge.method} (density {spec.merge.density:g}, lambda {spec.merge.scale:g}"
                   f"{''.join(f' or {x:g}' for x in spec.merge.scales()[1:])}, "
                   f"within a skill: {spec.merge.aggregator})"],
