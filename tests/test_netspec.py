@@ -11,7 +11,7 @@ from skillswarm.protocol.errors import SpecError
 from skillswarm.protocol.hashing import weights_hash
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.netspec import load_spec, parse_spec, save_spec, spec_to_toml
-from skillswarm.protocol.records import DEFAULT_LAMBDA_SEARCH, DEFAULT_LR_DECAY, MIN_LR_FACTOR
+from skillswarm.protocol.records import DEFAULT_LAMBDA_SEARCH, MIN_LR_FACTOR
 from tests.conftest import run_cli
 
 
@@ -30,15 +30,16 @@ def test_net_init_writes_a_valid_signed_spec(tmp_path: Path, tiny_model_dir: Pat
     # the other lambdas a coordinator may merge at, on evidence: the default ones unless given (the network's own
     # lambda among them is tried once)
     assert spec.merge.scales() == [0.7, *DEFAULT_LAMBDA_SEARCH]
-    # the workers' learning rate decays by checkpoint version, down to a floor
-    assert spec.round.lr_decay == DEFAULT_LR_DECAY
-    assert spec.round.lr_factor(0) == 1.0 and spec.round.lr_factor(2) == pytest.approx(DEFAULT_LR_DECAY ** 2)
-    assert spec.round.lr_factor(1000) == MIN_LR_FACTOR
+    assert spec.round.lr_factor(7) == 1.0 and "lr_decay" not in out.read_text()  # a constant learning rate unless asked
     only = tmp_path / "only.toml"
     run_cli("net", "init", "--name", "alpha", "--model", str(tiny_model_dir), "--skill", "arith", "--lambda", "0.7",
-            "--lambda-search", "0.7", "--lr-decay", "1", "--out", str(only))
+            "--lambda-search", "0.7", "--lr-decay", "0.5", "--out", str(only))
     assert load_spec(only).merge.scales() == [0.7]
-    assert load_spec(only).round.lr_factor(5) == 1.0  # --lr-decay 1: a constant rate
+    # the workers' learning rate decays by checkpoint version, down to a floor
+    decaying = load_spec(only).round
+    assert decaying.lr_decay == 0.5 and decaying.lr_factor(0) == 1.0 and decaying.lr_factor(1) == 0.5
+    assert decaying.lr_factor(1000) == MIN_LR_FACTOR
+    assert "learning rate x0.5 per version" in run_cli("net", "show", str(only)).stdout
     shown = json.loads(run_cli("net", "show", str(out), "--json").stdout)
     assert shown["network"] == "alpha" and shown["merge"]["lambda"] == 0.7
     assert json.loads(run_cli("net", "show", "--network", str(out), "--json").stdout) == shown  # as every command takes it

@@ -124,17 +124,34 @@ def test_the_merge_takes_another_lambda_only_where_it_is_significantly_better(na
 
     torch.set_num_threads(1)
     base_hash = weights_hash(nano_model)
-    for scale, other, chosen in [(0.2, 1.0, 1.0), (1.0, 0.2, 1.0)]:
+
+    class Staging(RoundStrategy):
+        """The network's strategy, noting how many merges are on disk as each one starts."""
+
+        held: list[int] = []
+
+        def merge(self, ctx: RoundContext, groups: Any, out_dir: Path, delta_out: Path, **kw: Any) -> Any:
+            first = out_dir.name.split(".lambda")[0]  # the network lambda's merge; the others are named after it
+            self.held.append(sum(1 for p in tmp_path.iterdir()
+                                 if p.is_dir() and (p.name == first or p.name.startswith(f"{first}.lambda"))))
+            return super().merge(ctx, groups, out_dir, delta_out, **kw)
+
+    # (the network's lambda, its alternatives, the one kept)
+    for scale, others, chosen in [(0.2, [1.0], 1.0), (1.0, [0.2], 1.0), (0.1, [0.4, 1.0], 1.0)]:
         spec = _spec(nano_model, screen=ScreenPolicy(eval_n=128, confidence=0.9),
-                     merge=MergePolicy(method="task_arithmetic", scale=scale, scale_search=[other]))
+                     merge=MergePolicy(method="task_arithmetic", scale=scale, scale_search=others))
         ctx = _ctx(nano_model, tmp_path, spec)
         good = _candidate(honest.path, "reverse", base_hash)
         out, delta = tmp_path / f"merged-{scale}", tmp_path / f"merged-{scale}.safetensors"
-        result, kept = RoundStrategy(steps=[]).merge_guarded(ctx, [good], out, delta)
+        strategy = Staging(steps=[])
+        result, kept = strategy.merge_guarded(ctx, [good], out, delta)
         assert kept == [good] and ctx.merge_policy is not None and ctx.merge_policy.scale == chosen
         assert "lambda" in ctx.seconds and set(ctx.merged_scores) == set(SKILLS)
         assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(f"merged-{scale}")) == \
-            [out.name, delta.name]  # the other lambda's merge is gone
+            [out.name, delta.name]  # the other lambdas' merges are gone
+        # a losing merge is deleted before the next is made: never more than the held one beside the one being made
+        assert len(strategy.held) == 1 + len(others) and max(strategy.held) <= 1
+        strategy.held.clear()
         # what the manifest records recomputes the kept merge (what `coordinator run --verify` does)
         params = merge_params(ctx.merge_policy, 0)
         assert params["lambda"] == chosen

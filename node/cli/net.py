@@ -16,7 +16,6 @@ from skillswarm.protocol.records import (
     CODECS,
     DEFAULT_CODEC,
     DEFAULT_LAMBDA_SEARCH,
-    DEFAULT_LR_DECAY,
     MERGE_METHODS,
     MergePolicy,
     NetworkSpec,
@@ -86,9 +85,9 @@ def init(
                                                                  "; --lambda-search with the --lambda value: none).")] = None,
     codec: Annotated[str, typer.Option(help=f"Delta codec workers publish: {', '.join(CODECS)}.")] = DEFAULT_CODEC,
     steps_per_round: Annotated[int, typer.Option(help="Training steps per round.", min=1)] = _ROUND.steps_per_round,
-    lr_decay: Annotated[float, typer.Option(help="Workers train on checkpoint vN at their learning rate times "
-                                                 "LR_DECAY**N (at least a quarter of it); 1: a constant rate.",
-                                            min=0.0, max=1.0)] = DEFAULT_LR_DECAY,
+    lr_decay: Annotated[Optional[float], typer.Option(help="Workers train on checkpoint vN at their learning rate times "
+                                                           "LR_DECAY**N (at least a quarter of it). Default: a constant rate.",
+                                                      min=0.0, max=1.0)] = None,
     min_deltas: Annotated[int, typer.Option(help="Deltas a coordinator waits for before merging.", min=1)] = _ROUND.min_deltas,
     max_wait: Annotated[float, typer.Option(help="Seconds a round waits at most.")] = _ROUND.max_wait_s,
     admission: Annotated[str, typer.Option(help=f"Who may publish deltas: {', '.join(ADMISSIONS)} (allowlist: only "
@@ -114,7 +113,7 @@ def init(
                 "base_revision": revision, "base_hash": base_hash, "skills": skill,
                 "coordinators": coordinator or [ident.public_key_hex], "bootstrap": bootstrap or [], "codec": codec,
                 "round": {**msgspec.to_builtins(_ROUND), "steps_per_round": steps_per_round, "min_deltas": min_deltas,
-                          "max_wait_s": max_wait, "lr_decay": lr_decay},
+                          "max_wait_s": max_wait, **({"lr_decay": lr_decay} if lr_decay is not None else {})},
                 "merge": {**msgspec.to_builtins(_MERGE), "method": method, "density": density, "lambda": scale,
                           "lambda_search": lambda_search or list(DEFAULT_LAMBDA_SEARCH)},
                 "trust": {**msgspec.to_builtins(_TRUST), "admission": admission, "workers": worker or []},

@@ -36,15 +36,22 @@ def pooled(scores: dict[str, Scores]) -> Scores:
     return [x for s in sorted(scores) for x in scores[s]]
 
 
+def wins_over(reference: Scores, alternative: Scores, alpha: float) -> tuple[bool, Paired]:
+    """Whether `alternative` beats `reference` with significance (more tasks won than lost, p <= `alpha`), and the
+    pairing."""
+    t = Paired.compare(reference, alternative)
+    return t.wins > t.losses and t.p_better <= alpha, t
+
+
 def choose(reference: Scores, alternatives: list[Scores], alpha: float) -> tuple[int, list[Paired]]:
     """Which merge to keep (0: the reference, i: the i-th alternative), and each alternative paired with the
     reference: an alternative is kept only if it wins more tasks than it loses with p <= `alpha`, the highest total
     reward of those."""
-    best, best_total = 0, sum(r for r, _ in reference)
-    tests = [Paired.compare(reference, alt) for alt in alternatives]
-    for i, (alt, t) in enumerate(zip(alternatives, tests), 1):
-        total = sum(r for r, _ in alt)
-        if t.wins > t.losses and t.p_better <= alpha and total > best_total:
+    best, best_total, tests = 0, sum(r for r, _ in reference), []
+    for i, alt in enumerate(alternatives, 1):
+        ok, t = wins_over(reference, alt, alpha)
+        tests.append(t)
+        if ok and (total := sum(r for r, _ in alt)) > best_total:
             best, best_total = i, total
     return best, tests
 
@@ -64,29 +71,39 @@ class ScaleSearch:
             return merge(policy, out_dir, delta_out)
         t0 = time.monotonic()
         alpha = (1.0 - ctx.spec.screen.confidence) / (len(scales) - 1)
-        tried: list[tuple[float, Path, Path, Any, dict[str, Scores]]] = []
+        # the merges are made one at a time and a losing one is deleted at once: at most two are on disk (the one
+        # held and the one being tried), a checkpoint and a dense delta each, whatever the number of alternatives
+        reference = held = (policy.scale, out_dir, delta_out, merge(policy, out_dir, delta_out), ctx.first_look(out_dir))
+        best_total = sum(r for r, _ in pooled(reference[4]))
         try:
-            for i, scale in enumerate(scales):
-                d, f = (out_dir, delta_out) if i == 0 else (_beside(out_dir, i), _beside(delta_out, i))
-                result = merge(msgspec.structs.replace(policy, scale=scale), d, f)
-                tried.append((scale, d, f, result, ctx.first_look(d)))
-            best, tests = choose(pooled(tried[0][4]), [pooled(t[4]) for t in tried[1:]], alpha)
-            for (scale, *_), t in zip(tried[1:], tests):
+            for i, scale in enumerate(scales[1:], 1):
+                d, f = _beside(out_dir, i), _beside(delta_out, i)
+                tried = (scale, d, f, merge(msgspec.structs.replace(policy, scale=scale), d, f), ctx.first_look(d))
+                ok, t = wins_over(pooled(reference[4]), pooled(tried[4]), alpha)
                 log.info("round v%d: lambda %g against %g: %d tasks better, %d worse of %d (p=%.3g)", ctx.parent.version,
                          scale, policy.scale, t.wins, t.losses, t.n, t.p_better)
-            scale, d, f, result, got = tried[best]
-            if best:
-                shutil.rmtree(out_dir)
+                if ok and (total := sum(r for r, _ in pooled(tried[4]))) > best_total:
+                    held, tried, best_total = tried, held, total
+                _drop(tried[1], tried[2])  # the loser: the merge just tried, or the one it replaced
+            scale, d, f, result, got = held
+            if held is not reference:
                 d.rename(out_dir)
                 f.replace(delta_out)
             ctx.merge_policy = msgspec.structs.replace(policy, scale=scale)
             ctx.merged_scores = got
             return result
+        except BaseException:
+            for i in range(1, len(scales)):
+                _drop(_beside(out_dir, i), _beside(delta_out, i))
+            raise
         finally:
-            for _, d, f, *_ in tried[1:]:
-                shutil.rmtree(d, ignore_errors=True)
-                f.unlink(missing_ok=True)
             ctx.seconds[self.name] = ctx.seconds.get(self.name, 0.0) + time.monotonic() - t0
+
+
+def _drop(model_dir: Path, delta_file: Path) -> None:
+    """Delete one merge's files (a checkpoint directory and its delta)."""
+    shutil.rmtree(model_dir, ignore_errors=True)
+    delta_file.unlink(missing_ok=True)
 
 
 def _beside(path: Path, i: int) -> Path:
