@@ -1,0 +1,138 @@
+"""Replay a finished demo run's last round through the coordinator's round strategy with another screening policy,
+and judge the merge it makes by the demo's own measure: retention on the re-measure's held-out tasks.
+
+Every delta the round received (included or rejected) is screened again on the round's parent, with the round's
+eval seed, by the network's usefulness test and merge (lambda search and guard) under `--screen-eval-n` and
+`--confidence`, or merged without any screening (`--accept-all`). The merged model is evaluated on the first
+`--n` held-out tasks per skill, and retention = (merged - base) / (specialist - base) uses the base and last-round
+specialist the demo re-measured on those same tasks (report.json). With the run's own settings it reproduces the
+run's final checkpoint, so a coordinator-side change can be judged on saved runs without training anything.
+
+    .venv/bin/python bench/replay_round.py --run runs/h2 --run runs/h5 --screen-eval-n 1000 --json
+    .venv/bin/python bench/replay_round.py --run runs/g3 --accept-all
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+NETWORK = "demo"
+
+
+@dataclass(frozen=True)
+class Published:
+    """What the round's steps read of a delta's manifest (the checkpoint manifest lists these for every delta)."""
+
+    blob: str
+    skill: str
+    author: str
+
+
+def replay(run: Path, eval_n: int | None, confidence: float | None, accept_all: bool, n: int | None) -> dict[str, Any]:
+    """The last round of `run` screened and merged again; per skill the merged accuracy on the first `n` held-out
+    tasks (default: as many as the demo re-measured) and its retention."""
+    import msgspec
+
+    from skillswarm.node.rl.engines.hf import HFEngine
+    from skillswarm.node.rl.evaluation import evaluate
+    from skillswarm.node.rounds.context import Candidate, RoundContext
+    from skillswarm.node.rounds.strategy import RoundStrategy, Weigh
+    from skillswarm.node.rounds.usefulness import Usefulness
+    from skillswarm.protocol.netspec import load_spec
+    from skillswarm.protocol.records import CheckpointManifest
+    from skillswarm.protocol.transport.blobs import BlobStore
+
+    cks = run / "nodes" / "coordinator" / "cache" / "networks" / NETWORK / "checkpoints"
+    if not (run / "report.json").is_file() or not (run / "network.toml").is_file() or not cks.is_dir():
+        raise SystemExit(f"{run}: not a finished demo run (no report.json, network.toml or coordinator checkpoints); "
+                         "give the --out of a `skillswarm demo` that ran to the end")
+    report = json.loads((run / "report.json").read_text())
+    last, n = report["final_version"], n or report["retention_n"]
+    spec = load_spec(run / "network.toml")
+    screen = msgspec.structs.replace(spec.screen, **{k: v for k, v in (("eval_n", eval_n), ("confidence", confidence))
+                                                     if v is not None})
+    spec = msgspec.structs.replace(spec, screen=screen)
+    history = [msgspec.msgpack.decode((cks / f"v{v}" / "manifest.msgpack").read_bytes(), type=CheckpointManifest)
+               for v in range(last + 1)]
+    final = history.pop()
+    candidates = []
+    for d in [*final.included, *final.rejected]:
+        found = sorted(run.glob(f"nodes/*/cache/blobs/{d.blob}"))
+        if not found:
+            raise SystemExit(f"{run}: delta {d.blob[:12]} of v{last} is in no node's cache; was the run cleaned?")
+        candidates.append(Candidate(manifest=Published(d.blob, d.skill, d.author), path=found[0]))  # type: ignore[arg-type]
+    parent = cks / f"v{last - 1}"
+    with tempfile.TemporaryDirectory(prefix="replay-") as tmp:
+        ctx = RoundContext(spec=spec, parent=history[-1], base_dir=parent, blobs=BlobStore(Path(tmp) / "blobs"),
+                           history=history, eval_seed=final.eval_seed or 0)
+        strategy = RoundStrategy(steps=[Usefulness(), Weigh()])
+        t0 = time.monotonic()
+        if accept_all:
+            strategy, kept = RoundStrategy(steps=[], guard=None, search=None), candidates
+        else:
+            kept = strategy.screen(ctx, candidates)
+        kept = strategy.merge_guarded(ctx, kept, Path(tmp) / "merged", Path(tmp) / "delta.safetensors")[1]
+        seconds = time.monotonic() - t0
+        engine = HFEngine.load(Path(tmp) / "merged" if kept else parent)
+        skills = {}
+        for skill, row in report["skills"].items():
+            measured = row["remeasured"]  # base and specialist on the same first tasks
+            if measured is None or measured["n"] != n:
+                raise SystemExit(f"{run}: the demo re-measured {skill} on {measured and measured['n']} tasks; give --n with that")
+            merged = evaluate(engine, skill, n=n).accuracy
+            gain = measured["specialist"] - measured["base"]
+            skills[skill] = {"merged": merged, "retention": (merged - measured["base"]) / gain if gain > 0 else None}
+    return {"run": str(run), "version": last, "kept": sorted(c.skill for c in kept),
+            "lambda": ctx.merge_policy.scale if kept and ctx.merge_policy else None, "seconds": round(seconds, 1),
+            "skills": skills, "min_retention": min((s["retention"] for s in skills.values() if s["retention"] is not None),
+                                                   default=None)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", type=Path, action="append", required=True, help="a demo's --out (repeatable)")
+    parser.add_argument("--screen-eval-n", type=int, default=None, help="the usefulness test's tasks (default: the run's)")
+    parser.add_argument("--confidence", type=float, default=None, help="the network's confidence (default: the run's)")
+    parser.add_argument("--accept-all", action="store_true", help="merge every delta of the round, unscreened")
+    parser.add_argument("--n", type=int, default=None, help="held-out tasks per skill (default: the run's re-measure)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING)
+    rows = []
+    for run in args.run:
+        rows.append(replay(run, args.screen_eval_n, args.confidence, args.accept_all, args.n))
+        print(f"{run.name} done", file=sys.stderr)
+    passed = sum(1 for r in rows if r["min_retention"] is not None and r["min_retention"] >= 0.9)
+    out = {"screen_eval_n": args.screen_eval_n, "confidence": args.confidence, "accept_all": args.accept_all,
+           "rows": rows, "runs_keeping_90pct_of_every_gain": passed}
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    skills = sorted({s for r in rows for s in r["skills"]})
+    table = Table(title=f"last round replayed: retention per skill ({passed} of {len(rows)} runs keep >= 90% of every gain)")
+    for col in ("run", "merged", *skills, "seconds"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(Path(r["run"]).name, ", ".join(r["kept"]) or "(none)",
+                      *(f"{r['skills'][s]['retention']:.0%}" if r["skills"][s]["retention"] is not None else "-"
+                        for s in skills), f"{r['seconds']:.0f}")
+    Console().print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
