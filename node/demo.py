@@ -68,7 +68,7 @@ class DemoConfig:
     # ended its rounds at 12-23 steps (README, "The swarm on a second machine").
     minutes_per_round: float | None = 3.0
     # The workers' learning rate on vN: lr * lr_decay**N (RoundPolicy.lr_decay); 1: constant. 0.8 kept no more of the
-    # gains in three runs and merged 5 points fewer (README, "A learning rate that decays by round").
+    # gains in three runs and merged 5 points fewer (README, "What the last round loses").
     lr_decay: float = 1.0
     method: str = MergePolicy().method
     density: float = MergePolicy().density

@@ -178,7 +178,7 @@ class RoundPolicy(_Part, kw_only=True):
     # The workers' learning rate on checkpoint vN is lr * lr_decay**N, never below MIN_LR_FACTOR * lr (the decaying
     # step size federated averaging needs to converge over many rounds). UNSET (the default, and every file written
     # before this existed) encodes as nothing and keeps the rate constant. Opt-in: in the 4-round nano demo 0.8 did
-    # not keep more of each gain and merged 5 points fewer (README, "A learning rate that decays by round").
+    # not keep more of each gain and merged 5 points fewer (README, "What the last round loses").
     lr_decay: Annotated[float, Meta(gt=0.0, le=1.0)] | UnsetType = UNSET
 
     def lr_factor(self, version: int) -> float:
