@@ -3,7 +3,7 @@ and judge the merge it makes by the demo's own measure: retention on the re-meas
 
 Every delta the round received (included or rejected) is screened again on the round's parent, with the round's
 eval seed, by the network's usefulness test and merge (lambda search and guard) under `--screen-eval-n` and
-`--confidence`, or merged without any screening (`--accept-all`). The merged model is evaluated on the first
+`--confidence`, or merged without any screening (`--accept-all`); `--leave-out SKILL` drops a skill's delta first. The merged model is evaluated on the first
 `--n` held-out tasks per skill, and retention = (merged - base) / (specialist - base) uses the base and last-round
 specialist the demo re-measured on those same tasks (report.json). With the run's own settings it reproduces the
 run's final checkpoint, so a coordinator-side change can be judged on saved runs without training anything.
@@ -36,7 +36,8 @@ class Published:
     author: str
 
 
-def replay(run: Path, eval_n: int | None, confidence: float | None, accept_all: bool, n: int | None) -> dict[str, Any]:
+def replay(run: Path, eval_n: int | None, confidence: float | None, accept_all: bool, n: int | None,
+           leave_out: frozenset[str] = frozenset()) -> dict[str, Any]:
     """The last round of `run` screened and merged again; per skill the merged accuracy on the first `n` held-out
     tasks (default: as many as the demo re-measured) and its retention."""
     import msgspec
@@ -65,6 +66,8 @@ def replay(run: Path, eval_n: int | None, confidence: float | None, accept_all: 
     final = history.pop()
     candidates = []
     for d in [*final.included, *final.rejected]:
+        if d.skill in leave_out:
+            continue
         found = sorted(run.glob(f"nodes/*/cache/blobs/{d.blob}"))
         if not found:
             raise SystemExit(f"{run}: delta {d.blob[:12]} of v{last} is in no node's cache; was the run cleaned?")
@@ -102,6 +105,7 @@ def main() -> int:
     parser.add_argument("--screen-eval-n", type=int, default=None, help="the usefulness test's tasks (default: the run's)")
     parser.add_argument("--confidence", type=float, default=None, help="the network's confidence (default: the run's)")
     parser.add_argument("--accept-all", action="store_true", help="merge every delta of the round, unscreened")
+    parser.add_argument("--leave-out", action="append", default=[], help="a skill whose delta is not replayed (repeatable)")
     parser.add_argument("--n", type=int, default=None, help="held-out tasks per skill (default: the run's re-measure)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -111,10 +115,11 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     rows = []
     for run in args.run:
-        rows.append(replay(run, args.screen_eval_n, args.confidence, args.accept_all, args.n))
+        rows.append(replay(run, args.screen_eval_n, args.confidence, args.accept_all, args.n, frozenset(args.leave_out)))
         print(f"{run.name} done", file=sys.stderr)
     passed = sum(1 for r in rows if r["min_retention"] is not None and r["min_retention"] >= 0.9)
     out = {"screen_eval_n": args.screen_eval_n, "confidence": args.confidence, "accept_all": args.accept_all,
+           "leave_out": sorted(args.leave_out),
            "rows": rows, "runs_keeping_90pct_of_every_gain": passed}
     if args.json:
         print(json.dumps(out, indent=2))
