@@ -25,24 +25,34 @@ from typing import Any
 NETWORK = "demo"
 
 
+def demo_run(run: Path) -> tuple[dict[str, Any], Path]:
+    """A finished demo run's report.json and its coordinator's checkpoints directory (a clear exit otherwise)."""
+    cks = run / "nodes" / "coordinator" / "cache" / "networks" / NETWORK / "checkpoints"
+    if not (run / "report.json").is_file() or not (run / "network.toml").is_file() or not cks.is_dir():
+        raise SystemExit(f"{run}: not a finished demo run (no report.json, network.toml or coordinator checkpoints); "
+                         "give the --out of a `skillswarm demo` that ran to the end")
+    return json.loads((run / "report.json").read_text()), cks
+
+
+def delta_file(run: Path, blob: str, version: int) -> Path:
+    """Where a round's delta blob lies in the run's node caches (a clear exit when none holds it)."""
+    found = sorted(run.glob(f"nodes/*/cache/blobs/{blob}"))
+    if not found:
+        raise SystemExit(f"{run}: delta {blob[:12]} of v{version} is in no node's cache; was the run cleaned?")
+    return found[0]
+
+
 def rounds_of(run: Path) -> list[dict[str, Any]]:
     """Each merged round of a demo run: parent dir, included deltas' files by skill, eval seed, specialists."""
     import msgspec
 
-    cks = run / "nodes" / "coordinator" / "cache" / "networks" / NETWORK / "checkpoints"
-    if not (run / "report.json").is_file() or not cks.is_dir():
-        raise SystemExit(f"{run}: not a finished demo run (no report.json or coordinator checkpoints); give the --out "
-                         "of a `skillswarm demo` that ran to the end")
-    report = json.loads((run / "report.json").read_text())
+    report, cks = demo_run(run)
     out = []
     for v in range(1, report["final_version"] + 1):
         m = msgspec.msgpack.decode((cks / f"v{v}" / "manifest.msgpack").read_bytes())
         groups: dict[str, list[tuple[Path, float]]] = {}
         for d in m["included"]:
-            found = sorted(run.glob(f"nodes/*/cache/blobs/{d['blob']}"))
-            if not found:
-                raise SystemExit(f"{run}: delta {d['blob'][:12]} of v{v} is in no node's cache; was the run cleaned?")
-            groups.setdefault(d["skill"], []).append((found[0], 1.0))
+            groups.setdefault(d["skill"], []).append((delta_file(run, d["blob"], v), 1.0))
         if groups:
             out.append({"version": v, "parent": cks / f"v{v - 1}", "groups": groups, "eval_seed": m["eval_seed"],
                         "specialist": {s: x["after"] for s, x in report["specialists"][str(v - 1)].items()}})

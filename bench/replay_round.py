@@ -24,9 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-NETWORK = "demo"
-
-
 @dataclass(frozen=True)
 class Published:
     """What the round's steps read of a delta's manifest (the checkpoint manifest lists these for every delta)."""
@@ -51,13 +48,13 @@ def replay(run: Path, eval_n: int | None, confidence: float | None, accept_all: 
     from skillswarm.protocol.records import CheckpointManifest
     from skillswarm.protocol.transport.blobs import BlobStore
 
-    cks = run / "nodes" / "coordinator" / "cache" / "networks" / NETWORK / "checkpoints"
-    if not (run / "report.json").is_file() or not (run / "network.toml").is_file() or not cks.is_dir():
-        raise SystemExit(f"{run}: not a finished demo run (no report.json, network.toml or coordinator checkpoints); "
-                         "give the --out of a `skillswarm demo` that ran to the end")
-    report = json.loads((run / "report.json").read_text())
+    from remerge import delta_file, demo_run
+
+    report, cks = demo_run(run)
     last, n = report["final_version"], n or report["retention_n"]
     spec = load_spec(run / "network.toml")
+    if unknown := sorted(leave_out - set(spec.skills)):
+        raise SystemExit(f"--leave-out {', '.join(unknown)}: not a skill of {run}'s network ({', '.join(spec.skills)})")
     screen = msgspec.structs.replace(spec.screen, **{k: v for k, v in (("eval_n", eval_n), ("confidence", confidence))
                                                      if v is not None})
     spec = msgspec.structs.replace(spec, screen=screen)
@@ -68,21 +65,18 @@ def replay(run: Path, eval_n: int | None, confidence: float | None, accept_all: 
     for d in [*final.included, *final.rejected]:
         if d.skill in leave_out:
             continue
-        found = sorted(run.glob(f"nodes/*/cache/blobs/{d.blob}"))
-        if not found:
-            raise SystemExit(f"{run}: delta {d.blob[:12]} of v{last} is in no node's cache; was the run cleaned?")
-        candidates.append(Candidate(manifest=Published(d.blob, d.skill, d.author), path=found[0]))  # type: ignore[arg-type]
+        candidates.append(Candidate(manifest=Published(d.blob, d.skill, d.author),  # type: ignore[arg-type]
+                                    path=delta_file(run, d.blob, last)))
     parent = cks / f"v{last - 1}"
     with tempfile.TemporaryDirectory(prefix="replay-") as tmp:
         ctx = RoundContext(spec=spec, parent=history[-1], base_dir=parent, blobs=BlobStore(Path(tmp) / "blobs"),
                            history=history, eval_seed=final.eval_seed or 0)
-        strategy = RoundStrategy(steps=[Usefulness(), Weigh()])
+        # unscreened: no steps, no lambda search, no guard; else the network's usefulness test, weights, search, guard
+        strategy = RoundStrategy(steps=[], guard=None, search=None) if accept_all else \
+            RoundStrategy(steps=[Usefulness(), Weigh()])
         t0 = time.monotonic()
-        if accept_all:
-            strategy, kept = RoundStrategy(steps=[], guard=None, search=None), candidates
-        else:
-            kept = strategy.screen(ctx, candidates)
-        kept = strategy.merge_guarded(ctx, kept, Path(tmp) / "merged", Path(tmp) / "delta.safetensors")[1]
+        kept = strategy.merge_guarded(ctx, strategy.screen(ctx, candidates), Path(tmp) / "merged",
+                                      Path(tmp) / "delta.safetensors")[1]
         seconds = time.monotonic() - t0
         engine = HFEngine.load(Path(tmp) / "merged" if kept else parent)
         skills = {}
@@ -111,6 +105,7 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
+    sys.path.insert(0, str(Path(__file__).parent))  # remerge.py: how a demo run is read
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
     rows = []
