@@ -3,10 +3,12 @@ workers' settings, the network's default merge) with an adversary among the work
 default round strategy (manifest checks, caps, file checks, consensus, the usefulness test, reputation weights)
 and merged under the merge guard.
 
-    .venv/bin/python bench/poison.py [--steps N] [--eval-n 300] [--json]
+    .venv/bin/python bench/poison.py [--steps N] [--eval-n 300] [--reputed] [--json]
 
-Attacks, each published from fresh keys (no reputation: the worst case), against the skill with the
-largest honest gain (`target`) unless said otherwise:
+The network screens as `net init` writes it (saturation and credit rules on). Attacks, each published from fresh
+keys (no reputation: weight 0.5, and no credit for an inconclusive delta) or, with --reputed, from keys with a
+record (weight 2/3, credit: an inconclusive delta that hurts no skill goes in; every honest key has one too),
+against the skill with the largest honest gain (`target`) unless said otherwise:
 - sign_flip: -1 x the honest delta;  scale_x5 / scale_x100: the honest delta scaled up;
 - random_direction: a random delta with the honest delta's norm;
 - backdoor: the honest delta plus a delta trained *against* another skill (gradient ascent on its
@@ -85,18 +87,21 @@ def _write(values: dict[str, Any], path: Path, **meta: str) -> Path:
 class Drill:
     """The round context and the clean baseline; `run` screens and merges one set of candidates."""
 
-    def __init__(self, base: Path, work: Path, eval_n: int) -> None:
+    def __init__(self, base: Path, work: Path, eval_n: int, reputed: bool = False) -> None:
         from skillswarm.node.rl.evaluation import evaluate
         from skillswarm.protocol.hashing import weights_hash
         from skillswarm.protocol.identity import Identity
-        from skillswarm.protocol.records import DEFAULT_LAMBDA_SEARCH, CheckpointManifest, FileEntry, MergePolicy, NetworkSpec
+        from skillswarm.protocol.records import (DEFAULT_LAMBDA_SEARCH, CheckpointManifest, FileEntry, MergePolicy,
+                                                 NetworkSpec, ScreenPolicy)
 
         self.base, self.work, self.eval_n, self.evaluate = base, work, eval_n, evaluate
         self.base_hash = weights_hash(base)
         coordinator = Identity.generate()
         self.spec = NetworkSpec(network="drill", base_model=str(base), base_hash=self.base_hash, skills=SKILLS,
                                 coordinators=[coordinator.public_key_hex], codec="dense_fp32",
-                                merge=MergePolicy(scale_search=list(DEFAULT_LAMBDA_SEARCH)))  # as `net init` writes it
+                                merge=MergePolicy(scale_search=list(DEFAULT_LAMBDA_SEARCH)),  # as `net init` writes it
+                                screen=ScreenPolicy.for_new_network())
+        self.reputed = reputed  # every key comes with a record (one earned inclusion): credit applies to all
         self.parent = CheckpointManifest(network="drill", version=0, weights_hash=self.base_hash,
                                          files=[FileEntry(path="config.json", sha256="0" * 64, size=1)])
         self.n = 0
@@ -126,13 +131,14 @@ class Drill:
 
         steps = [s for s in default_steps() if s.name != "fetch"] if screened else [_OldScreen()]
         ctx = RoundContext(spec=self.spec, parent=self.parent, base_dir=self.base, blobs=BlobStore(self.work / "blobs"),
-                           history=[self.parent], eval_seed=1234)
+                           history=[self.parent, *self._records(candidates)], eval_seed=1234)
         # the unscreened round is the merge before any of this: no guard, and the network's lambda
         strategy = RoundStrategy(steps=steps, guard=MergeGuard() if screened else None,
                                  **({} if screened else {"search": None}))
         screened_in = strategy.screen(ctx, candidates)
         self.n += 1
         out = self.work / f"merged-{self.n}"
+        shutil.rmtree(out, ignore_errors=True)  # a kept --work directory may hold an interrupted drill's merge
         _, accepted = strategy.merge_guarded(ctx, screened_in, out, self.work / f"merged-{self.n}.delta")
         info = {"seconds": dict(ctx.seconds), "rejected": [r.reason for _, r in ctx.rejected],
                 "screened_in": {c.manifest.blob for c in screened_in}}
@@ -142,6 +148,18 @@ class Drill:
                 {s: self.evaluate(self.base, s, n=self.eval_n).accuracy for s in SKILLS}
         shutil.rmtree(out, ignore_errors=True)
         return accepted, self.cache[key], info
+
+
+    def _records(self, candidates: list[Any]) -> list[Any]:
+        """With --reputed, an earlier checkpoint in which every candidate's key had a delta merged (for a skill
+        outside the network, so no skill's norm history or consensus reads it): each key has a record."""
+        from skillswarm.protocol.records import CheckpointManifest, DeltaRef
+
+        if not self.reputed:
+            return []
+        refs = [DeltaRef(blob=f"{i:064x}", author=c.author, skill="earlier") for i, c in enumerate(candidates)]
+        return [CheckpointManifest(network="drill", version=0, weights_hash=self.base_hash, files=self.parent.files,
+                                   included=refs)]
 
 
 class _OldScreen:
@@ -170,6 +188,9 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=default_of(DemoConfig, "minutes_per_round"),
                     help="Time cap of each honest round (default: the demo's).")
     ap.add_argument("--eval-n", type=int, default=300, help="Held-out tasks per skill for the merged accuracies.")
+    ap.add_argument("--reputed", action="store_true",
+                    help="Every key, honest or hostile, has a record (an earlier inclusion), so the network's credit "
+                         "rule applies to the attackers too: a proven key turned hostile.")
     ap.add_argument("--work", type=Path, default=None, help="Work directory, kept (reuses trained deltas found there).")
     ap.add_argument("--json", action="store_true", help="Print one JSON object.")
     args = ap.parse_args()
@@ -187,7 +208,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     try:
         honest = _honest(base, work, args.steps, args.minutes)
-        drill = Drill(base, work, args.eval_n)
+        drill = Drill(base, work, args.eval_n, args.reputed)
         base_acc = {s: evaluate(base, s, n=args.eval_n).accuracy for s in SKILLS}
         clean_cands = [drill.candidate(p, s) for s, p in honest.items()]
         clean_in, clean, clean_info = drill.run(clean_cands)
@@ -250,7 +271,7 @@ def main() -> None:
                       "eval_seconds": round(clean_info["seconds"].get("usefulness", 0.0), 1),
                       "rejected": clean_info["rejected"]},
             "target": target, "backdoor_against": other, "eval_n": args.eval_n, "collusion_share": share,
-            "seconds": round(time.monotonic() - t0, 1),
+            "seconds": round(time.monotonic() - t0, 1), "reputed": args.reputed,
         }
     finally:
         if args.work is None:

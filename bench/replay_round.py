@@ -3,13 +3,15 @@ and judge the merge it makes by the demo's own measure: retention on the re-meas
 
 Every delta the round received (included or rejected) is screened again on the round's parent, with the round's
 eval seed, by the network's usefulness test and merge (lambda search and guard) under `--screen-eval-n` and
-`--confidence`, or merged without any screening (`--accept-all`); `--leave-out SKILL` drops a skill's delta first. The merged model is evaluated on the first
-`--n` held-out tasks per skill, and retention = (merged - base) / (specialist - base) uses the base and last-round
-specialist the demo re-measured on those same tasks (report.json). With the run's own settings it reproduces the
+`--confidence`, or merged without any screening (`--accept-all`); `--leave-out SKILL` drops a skill's delta first;
+`--new-rules` screens with a new network's saturation and credit rules, `--density` merges at another density.
+The merged model is evaluated on the first `--n` held-out tasks per skill, and retention = (merged - base) /
+(specialist - base) uses the base and last-round specialist the demo re-measured on those same tasks (report.json). With the run's own settings it reproduces the
 run's final checkpoint, so a coordinator-side change can be judged on saved runs without training anything.
 
     .venv/bin/python bench/replay_round.py --run runs/h2 --run runs/h5 --screen-eval-n 1000 --json
     .venv/bin/python bench/replay_round.py --run runs/g3 --accept-all
+    .venv/bin/python bench/replay_round.py --run runs/h3 --new-rules --density 0.5
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ class Published:
 
 
 def replay(run: Path, eval_n: int | None, confidence: float | None, accept_all: bool, n: int | None,
-           leave_out: frozenset[str] = frozenset()) -> dict[str, Any]:
+           leave_out: frozenset[str] = frozenset(), new_rules: bool = False,
+           density: float | None = None) -> dict[str, Any]:
     """The last round of `run` screened and merged again; per skill the merged accuracy on the first `n` held-out
     tasks (default: as many as the demo re-measured) and its retention."""
     import msgspec
@@ -45,7 +48,7 @@ def replay(run: Path, eval_n: int | None, confidence: float | None, accept_all: 
     from skillswarm.node.rounds.strategy import RoundStrategy, Weigh
     from skillswarm.node.rounds.usefulness import Usefulness
     from skillswarm.protocol.netspec import load_spec
-    from skillswarm.protocol.records import CheckpointManifest
+    from skillswarm.protocol.records import CheckpointManifest, ScreenPolicy
     from skillswarm.protocol.transport.blobs import BlobStore
 
     from remerge import delta_file, demo_run
@@ -57,7 +60,11 @@ def replay(run: Path, eval_n: int | None, confidence: float | None, accept_all: 
         raise SystemExit(f"--leave-out {', '.join(unknown)}: not a skill of {run}'s network ({', '.join(spec.skills)})")
     screen = msgspec.structs.replace(spec.screen, **{k: v for k, v in (("eval_n", eval_n), ("confidence", confidence))
                                                      if v is not None})
-    spec = msgspec.structs.replace(spec, screen=screen)
+    if new_rules:  # what a network written today screens with: saturation and credit on
+        fresh = ScreenPolicy.for_new_network()
+        screen = msgspec.structs.replace(screen, saturated_at=fresh.saturated_at, on_credit=fresh.on_credit)
+    spec = msgspec.structs.replace(spec, screen=screen, merge=msgspec.structs.replace(
+        spec.merge, **({} if density is None else {"density": density})))
     history = [msgspec.msgpack.decode((cks / f"v{v}" / "manifest.msgpack").read_bytes(), type=CheckpointManifest)
                for v in range(last + 1)]
     final = history.pop()
@@ -99,6 +106,9 @@ def main() -> int:
     parser.add_argument("--screen-eval-n", type=int, default=None, help="the usefulness test's tasks (default: the run's)")
     parser.add_argument("--confidence", type=float, default=None, help="the network's confidence (default: the run's)")
     parser.add_argument("--accept-all", action="store_true", help="merge every delta of the round, unscreened")
+    parser.add_argument("--new-rules", action="store_true",
+                        help="screen with a new network's saturation and credit rules (a run's file may predate them)")
+    parser.add_argument("--density", type=float, default=None, help="the merge's density (default: the run's)")
     parser.add_argument("--leave-out", action="append", default=[], help="a skill whose delta is not replayed (repeatable)")
     parser.add_argument("--n", type=int, default=None, help="held-out tasks per skill (default: the run's re-measure)")
     parser.add_argument("--json", action="store_true")
@@ -110,11 +120,12 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     rows = []
     for run in args.run:
-        rows.append(replay(run, args.screen_eval_n, args.confidence, args.accept_all, args.n, frozenset(args.leave_out)))
+        rows.append(replay(run, args.screen_eval_n, args.confidence, args.accept_all, args.n, frozenset(args.leave_out),
+                           args.new_rules, args.density))
         print(f"{run.name} done", file=sys.stderr)
     passed = sum(1 for r in rows if r["min_retention"] is not None and r["min_retention"] >= 0.9)
     out = {"screen_eval_n": args.screen_eval_n, "confidence": args.confidence, "accept_all": args.accept_all,
-           "leave_out": sorted(args.leave_out),
+           "new_rules": args.new_rules, "density": args.density, "leave_out": sorted(args.leave_out),
            "rows": rows, "runs_keeping_90pct_of_every_gain": passed}
     if args.json:
         print(json.dumps(out, indent=2))

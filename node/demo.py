@@ -83,7 +83,7 @@ class DemoConfig:
     lr: float | None = None
     retain: float = default_of(TrainConfig, "retain")  # the workers' retain loss (0: off)
     timeout_s: float = 1800.0
-    screen: ScreenPolicy = field(default_factory=ScreenPolicy)  # what the coordinator checks before merging a delta
+    screen: ScreenPolicy = field(default_factory=ScreenPolicy.for_new_network)  # what the coordinator checks before merging a delta
 
 
 @dataclass
@@ -283,7 +283,7 @@ def parse_method(text: str, cfg: DemoConfig) -> MergePolicy:
 
 
 def method_label(policy: MergePolicy) -> str:
-    """`ties(density=0.3, lambda=1.0)`: a method with the parameters that matter to it."""
+    """`ties(density=0.5, lambda=1.0)`: a method with the parameters that matter to it."""
     uses_density = policy.method in ("ties", "dare_linear", "dare_ties", "breadcrumbs")
     density = f"density={policy.density:g}, " if uses_density else ""
     return f"{policy.method}({density}lambda={policy.scale:g})"

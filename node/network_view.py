@@ -69,6 +69,9 @@ def deltas_view(dht: Any, spec: NetworkSpec, version: int | None = None) -> dict
         m = dht.get_checkpoint(v + 1, trusted=spec.coordinators)
         included = {d.blob for d in m.included} if m else set()
         reasons = {r.blob: r.reason for r in m.rejected} if m else {}
+        # merged on credit: inconclusive on its skill, from a key with a record (node/rounds/usefulness.py)
+        reasons.update({d.blob: "on credit: its gain was not significant" for d in (m.included if m else [])
+                        if d.figures.get("on_credit", 0.0) > 0})
         for d in dht.get_deltas(v):
             verdict = "pending" if m is None else "included" if d.blob in included else "rejected" if d.blob in reasons else "late"
             out.append({"base_version": v, "skill": d.skill, "author": fingerprint(d.author), "blob": d.blob,

@@ -7,7 +7,7 @@ to, its author's Ed25519 public key, a creation time, and a signature over every
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
@@ -191,12 +191,14 @@ class RoundPolicy(_Part, kw_only=True):
 class MergePolicy(_Part, kw_only=True):
     """How a coordinator folds a round's deltas into the next checkpoint."""
 
-    # TIES at lambda 1 (30% of each delta kept, signs elected): at 100 steps a round the summed deltas of task
-    # arithmetic overshoot (reverse lost 12-23 points from one round's sum), TIES kept each skill within two points
-    # of where the round started, or above it (README, "Rounds of 100 steps, TIES and retain 2"; bench/interference.py).
+    # TIES at lambda 1 (signs elected): at 100 steps a round the summed deltas of task arithmetic overshoot (reverse
+    # lost 12-23 points from one round's sum), TIES kept each skill within two points of where the round started, or
+    # above it (README, "Rounds of 100 steps, TIES and retain 2"; bench/interference.py). Half of each delta kept,
+    # not 30%: trimming cost a late round's small deltas a quarter of their gain, and replayed last rounds kept
+    # >= 90% of every gain in 11 of 12 runs at 0.5 against 8 at 0.3 (README, "Saturated skills and deltas on credit").
     method: MergeMethod = "ties"
     aggregator: Aggregator = "mean"  # within one skill's deltas
-    density: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.3
+    density: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.5
     scale: Annotated[float, Meta(gt=0.0, le=100.0)] = msgspec.field(default=1.0, name="lambda")
     trim_fraction: Annotated[float, Meta(ge=0.0, lt=0.5)] = 0.1
     max_norm_ratio: Annotated[float, Meta(ge=1.0, le=1e6)] = 5.0  # reject norms above ratio * median
@@ -250,6 +252,29 @@ class ScreenPolicy(_Part, kw_only=True):
     min_norm_ratio: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.02  # norm bounds against the skill's history
     min_cosine: Annotated[float, Meta(ge=-1.0, le=1.0)] = 0.0  # against the consensus of the skill's other deltas
     history_rounds: Annotated[int, Meta(ge=1, le=1000)] = 8  # checkpoints the norm history is read from
+    # A skill the parent already solves this well (its first-look accuracy) takes no delta in the round: its delta
+    # has no gain left to show and costs the other skills (README, "Saturated skills and deltas on credit").
+    saturated_at: Annotated[float, Meta(gt=0.0, le=1.0)] | UnsetType = UNSET
+    # A delta whose own-skill test is inconclusive (not significantly better, not significantly worse), that costs
+    # no other skill beyond `max_other_drop`, from a key with a record (reputation above a fresh key's) is merged
+    # on credit: it earns its key no reputation. A late round's honest gain is often too small to show on the
+    # test's tasks, and each one left out is its skill's last gain lost. Fresh keys must show significance.
+    # UNSET, as in every file written before these existed, encodes as nothing and keeps both rules off;
+    # `net init` and the demo write them on (`ScreenPolicy.for_new_network`).
+    on_credit: bool | UnsetType = UNSET
+
+    @classmethod
+    def for_new_network(cls, **overrides: Any) -> "ScreenPolicy":
+        """The policy `net init` and the demo write: the defaults with the saturation and credit rules on."""
+        return cls(**{"saturated_at": DEFAULT_SATURATED_AT, "on_credit": True, **overrides})
+
+    def saturated(self, accuracy: float) -> bool:
+        """Whether a skill at `accuracy` on the parent takes no delta (never when `saturated_at` is unset)."""
+        return self.saturated_at is not UNSET and accuracy >= self.saturated_at
+
+
+# reverse's parent at 98-100% merged deltas that gained nothing and cost sort 1.5-2.0 points (bench/replay_round.py)
+DEFAULT_SATURATED_AT = 0.98
 
 
 # ---- records --------------------------------------------------------------------------------------

@@ -162,3 +162,56 @@ def test_the_merge_takes_another_lambda_only_where_it_is_significantly_better(na
         again = merge_checkpoint(nano_model, {"reverse": [(honest.path, 1.0)]}, policy, tmp_path / f"again-{scale}",
                                  seed=seed, progress=False)
         assert again.weights_hash == result.weights_hash == weights_hash(out)
+
+
+def test_a_saturated_skill_takes_no_delta_and_an_inconclusive_delta_goes_in_on_credit_only_from_a_key_with_a_record(
+        nano_model: Path, honest: DeltaInfo, tmp_path: Path) -> None:
+    # At 99.99% confidence on 6 tasks (12 with the second look) no result can be significant either way (the
+    # smallest sign-test p is 2^-12), so any delta that changes one of its skill's tasks is inconclusive: the
+    # rule alone decides. A sort delta trained hard (40 steps at 2e-3) changes some of the 6.
+    from skillswarm.protocol.records import DeltaRef
+
+    torch.set_num_threads(1)
+    base_hash = weights_hash(nano_model)
+    sort = sft_delta(nano_model, "sort", tmp_path / "sort.safetensors", steps=40, lr=2e-3, seed=2)
+    proven, credited, fresh = Identity.generate(), Identity.generate(), Identity.generate()
+
+    def by(who: Identity) -> Candidate:
+        f = read_delta(sort.path)
+        norm, n = f.norm(), len(f.names())
+        f.close()
+        return Candidate(who.sign_record(DeltaManifest(
+            network="use", skill="sort", base_version=0, base_hash=base_hash, blob=sha256_file(sort.path),
+            size=sort.path.stat().st_size, codec="dense_fp32", norm=norm, num_tensors=n)), path=sort.path)
+
+    spec = _spec(nano_model, screen=ScreenPolicy(eval_n=6, confidence=0.9999, on_credit=True))
+    ctx = _ctx(nano_model, tmp_path, spec)
+    earlier = CheckpointManifest(network="use", version=1, parent_version=0, parent_hash=base_hash,
+                                 weights_hash=base_hash, files=ctx.parent.files, included=[
+                                     DeltaRef(blob="1" * 64, author=proven.public_key_hex, skill="sort"),
+                                     DeltaRef(blob="2" * 64, author=credited.public_key_hex, skill="sort",
+                                              figures={"on_credit": 1.0})])
+    ctx.history = [ctx.parent, earlier]
+    cands = {name: by(who) for name, who in [("proven", proven), ("credited", credited), ("fresh", fresh)]}
+    accepted = Usefulness()(ctx, list(cands.values()))
+
+    assert accepted == [cands["proven"]], [r.reason for _, r in ctx.rejected]
+    own = ctx.measured[cands["proven"].manifest.blob]["sort"]
+    assert own.wins + own.losses > 0 and own.p_better > 1e-4 and own.p_worse > 1e-4  # changed, inconclusive
+    assert cands["proven"].figures["on_credit"] == 1.0 and "eval_s" not in cands["proven"].figures
+    for name in ("credited", "fresh"):  # a record made only on credit is no record; a fresh key must show a gain
+        [r] = [r for c, r in ctx.rejected if c is cands[name]]
+        assert "does not improve sort" in r.reason and r.figures["harmful"] == 0.0, r.reason
+    # the network without the credit rule: the proven key's inconclusive delta stays out too
+    off = _ctx(nano_model, tmp_path, _spec(nano_model, screen=ScreenPolicy(eval_n=6, confidence=0.9999)))
+    off.history = ctx.history
+    assert Usefulness()(off, [by(proven)]) == []
+
+    # saturation: a skill the parent solves at `saturated_at` or better takes no delta, unmeasured, held against no one
+    spec = _spec(nano_model, screen=ScreenPolicy(eval_n=32, saturated_at=0.01))
+    ctx = _ctx(nano_model, tmp_path, spec)
+    cand = _candidate(honest.path, "reverse", base_hash)
+    assert Usefulness()(ctx, [cand]) == [] and cand.manifest.blob not in ctx.measured
+    [(_, r)] = ctx.rejected
+    assert r.step == "usefulness" and "already solves reverse" in r.reason and r.figures["harmful"] == 0.0
+    assert r.figures["parent_accuracy"] >= 0.01

@@ -17,7 +17,7 @@ from skillswarm.node.rounds.inspection import Consensus, Inspect
 from skillswarm.node.rounds.reputation import Reputation, reputations
 from skillswarm.node.rounds.strategy import Weigh
 from skillswarm.node.rounds.paired import Paired, pocock_level, sign_test_p
-from skillswarm.node.rounds.usefulness import _undecided
+from skillswarm.node.rounds.usefulness import _creditable, _undecided
 from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.protocol.hashing import weights_hash
 from skillswarm.protocol.identity import Identity
@@ -100,6 +100,25 @@ def test_two_looks_test_at_pococks_nominal_level_and_pool_their_tasks() -> None:
     assert not _undecided({**weak, "sort": Paired(40, 10, 300, 0.5, 0.6)}, "sort", level, 0.1, 0.15)  # decided
     harmful = {**weak, "arith": Paired(0, 60, 300, 0.4, 0.2)}
     assert not _undecided(harmful, "sort", level, 0.1, 0.15)  # already costs arith 20 points, significantly
+    # on credit: an inconclusive delta that changed some task of its skill and is not significantly worse at it
+    assert _creditable(weak["sort"], 0.1) and _creditable(Paired(8, 12, 300, 0.5, 0.487), 0.1)
+    assert not _creditable(Paired(4, 14, 300, 0.5, 0.467), 0.1)  # its own skill worse, p = 0.015
+    assert not _creditable(Paired(0, 0, 300, 0.5, 0.5), 0.1)  # changes nothing: a free ride
+
+
+def test_credit_fills_in_only_for_a_skill_where_no_delta_showed_a_gain(base: Path, tmp_path: Path) -> None:
+    """Averaged with a delta that showed a gain, one on credit would only dilute it: it is dropped there (not held
+    against its key); a skill with no shown gain keeps its delta on credit."""
+    from skillswarm.node.rounds.usefulness import Usefulness
+
+    ctx = _ctx(base, tmp_path, _spec(base))
+    shown, diluting, alone = (_delta(tmp_path, name, base, _values(seed), Identity.generate(), skill=skill)
+                              for name, seed, skill in [("shown", 1, "sort"), ("dilute", 2, "sort"), ("alone", 3, "arith")])
+    for c in (diluting, alone):
+        c.figures["on_credit"] = 1.0
+    assert Usefulness()._credit_only_where_nothing_was_shown(ctx, [shown, diluting, alone]) == [shown, alone]
+    [(cand, r)] = ctx.rejected
+    assert cand is diluting and "another delta of sort showed a gain" in r.reason and r.figures["harmful"] == 0.0
 
 
 def test_reputation_counts_inclusions_and_rejections_in_the_window(base: Path) -> None:
@@ -114,6 +133,10 @@ def test_reputation_counts_inclusions_and_rejections_in_the_window(base: Path) -
     assert table[a] == Reputation(1, 0) and table[b] == Reputation(1, 2)
     assert table[a].score == 2 / 3 and table[b].score == 2 / 5 and Reputation().score == 0.5
     assert Reputation().say == 0.0 and math.isclose(table[a].say, 1 / 3) and table[b].say == 0.0
+    # a delta merged on credit (its gain not significant) earns its key nothing: no record from it alone
+    credit = DeltaRef(blob="8" * 64, author="c" * 64, skill="sort", figures={"on_credit": 1.0})
+    table = reputations([*history, _parent(base, 4, included=[credit, ref(a, 7)])], rounds=2)
+    assert "c" * 64 not in table and table[a] == Reputation(1, 0)
 
 
 def test_admission_rejects_each_bad_manifest_with_its_reason(base: Path, tmp_path: Path) -> None:
@@ -198,7 +221,7 @@ def test_inspect_rejects_a_lying_claim_a_wrong_codec_and_an_outsized_norm(base: 
 
 def test_consensus_listens_to_reputable_keys_only(base: Path, tmp_path: Path) -> None:
     """Two reputable honest keys and a fresh sign-flipper: the flipper is out. Two fresh sybils agreeing on a
-    flipped delta cannot vote an honest reputable key out, since fresh keys have no say."""
+    flipped delta cannot vote an honest reputable key out, since fresh keys have no say; nor can one reputable key."""
     honest = [Identity.generate() for _ in range(2)]
     sybils = [Identity.generate() for _ in range(2)]
     spec = _spec(base)
@@ -219,6 +242,12 @@ def test_consensus_listens_to_reputable_keys_only(base: Path, tmp_path: Path) ->
     pair = [_delta(tmp_path, f"s{i}", base, flipped, s) for i, s in enumerate(sybils)]
     out = Consensus()(ctx, [lone, *pair])
     assert lone in out and not any(p in out for p in pair)  # the sybils face the reputable key's direction
+
+    # One key with a record turned hostile cannot vote out an honest key of equal standing: a disagreement between
+    # two equal says is the usefulness test's to judge.
+    ctx = _ctx(base, tmp_path, spec, history=[_parent(base, 0, included=record)])
+    turned = _delta(tmp_path, "turned", base, flipped, honest[1])
+    assert len(Consensus()(ctx, [lone, turned])) == 2 and not ctx.rejected
 
 
 def test_weights_follow_reputation_and_a_strategy_runs_its_steps_in_order(base: Path, tmp_path: Path) -> None:

@@ -65,7 +65,7 @@ def demo_cmd(
     cfg = DemoConfig(out=out.resolve(), skills=skills, rounds=rounds, steps_per_round=steps_per_round,
                      lr_decay=lr_decay, minutes_per_round=minutes_per_round or None, method=method, density=density, scale=lambda_,
                      **({'scale_search': lambda_search} if lambda_search else {}),
-                     eval_n=eval_n, retention_n=retention_n, retain=retain, screen=ScreenPolicy(eval_n=screen_eval_n))
+                     eval_n=eval_n, retention_n=retention_n, retain=retain, screen=ScreenPolicy.for_new_network(eval_n=screen_eval_n))
     if no_compare or compare:
         cfg.compare = [] if no_compare else compare
     for text in [method, *cfg.compare]:

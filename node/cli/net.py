@@ -117,7 +117,8 @@ def init(
                 "merge": {**msgspec.to_builtins(_MERGE), "method": method, "density": density, "lambda": scale,
                           "lambda_search": lambda_search or list(DEFAULT_LAMBDA_SEARCH)},
                 "trust": {**msgspec.to_builtins(_TRUST), "admission": admission, "workers": worker or []},
-                "screen": {**msgspec.to_builtins(_SCREEN), "eval_n": screen_eval_n, "confidence": confidence},
+                "screen": {**msgspec.to_builtins(ScreenPolicy.for_new_network()), "eval_n": screen_eval_n,
+                           "confidence": confidence},
                 **({"skill_versions": pins} if pins else {}),  # none: the file reads exactly as before plugins
             },
             NetworkSpec,
@@ -161,7 +162,9 @@ def show(path: Annotated[Optional[Path], typer.Argument(help="Network file (the 
                                                    f"{spec.trust.max_deltas_per_round} per round)")],
         ["screening", "usefulness test off" if not spec.screen.eval_n else
          f"{spec.screen.eval_n} held-out tasks per skill, {spec.screen.confidence:.0%} confidence, "
-         f"others may lose <= {spec.screen.max_other_drop:.0%}"],
+         f"others may lose <= {spec.screen.max_other_drop:.0%}"
+         + ("" if not spec.screen.saturated(1.0) else f"; no delta for a skill at >= {spec.screen.saturated_at:.0%}")
+         + ("; inconclusive deltas of keys with a record merged on credit" if spec.screen.on_credit is True else "")],
         ["signed by", fingerprint(spec.author) if spec.signature else "(unsigned)"],
     ]
     console.print(table(f"network {spec.network}", ["field", "value"], rows))

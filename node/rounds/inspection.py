@@ -8,7 +8,10 @@ move (one x100 delta makes an honest one look tiny; two tiny sybils make it look
 no history yet has no norm bound and the usefulness test decides. `Consensus` rejects a delta
 whose direction disagrees with the consensus of the skill's other deltas (cosine below `min_cosine`),
 where the consensus counts only keys with a record (reputation above a fresh key's): k fresh sybil keys
-that agree with each other have no say in it, so they cannot vote an honest delta out.
+that agree with each other have no say in it, so they cannot vote an honest delta out. Nor can one key with a
+record: a delta is voted out only by a majority, the others' say summed above its own key's, so a proven key
+turned hostile (a sign flip, a random direction) cannot take out an honest delta of equal standing; the
+usefulness test judges the two (bench/poison.py --reputed).
 """
 
 from __future__ import annotations
@@ -74,10 +77,11 @@ class Consensus:
             group = [c for c in candidates if c.skill == skill]
             say = [reputation_of(table, c.author).say for c in group]
             cosines = consensus_cosines(ctx.base_dir, [c.path for c in group], say) if len(group) > 1 else [None]
-            for c, cos in zip(group, cosines):
+            for c, cos, own in zip(group, cosines, say):
                 if cos is not None:
                     c.figures["cosine"] = cos
-                if cos is not None and cos < ctx.spec.screen.min_cosine:
+                outvoted = sum(say) - own > own  # the others carry more say than its own key
+                if cos is not None and cos < ctx.spec.screen.min_cosine and outvoted:
                     ctx.reject(c, self.name, f"its direction disagrees with the skill's consensus of reputable keys "
                                              f"(cosine {cos:.3f} < {ctx.spec.screen.min_cosine:g})")
                 else:

@@ -3,7 +3,8 @@
 A key's score is the Laplace estimate (included + 1) / (included + rejected + 2) over the last N trusted
 checkpoint manifests: a new key starts at 0.5, each inclusion moves it up, each harmful rejection down (a
 delta whose blob did not arrive or whose gain was not significant is not held against its key: the
-rejection's `harmful` figure is 0). It gates
+rejection's `harmful` figure is 0; nor does a delta merged on credit, whose gain was not significant, count
+for it: its `on_credit` figure is 1). It gates
 (keys below the network's `min_reputation` are not considered), orders (when a round has more deltas
 than its cap, the best-reputed go first), weights a delta within its skill's aggregation, and decides
 who has a say in a skill's consensus direction (only keys with a record above a fresh key's).
@@ -42,7 +43,8 @@ def reputations(history: Iterable[CheckpointManifest], rounds: int) -> dict[str,
     rej: dict[str, int] = {}
     for m in recent:
         for d in m.included:
-            inc[d.author] = inc.get(d.author, 0) + 1
+            if d.figures.get("on_credit", 0.0) == 0:  # merged on credit (usefulness.py): it showed nothing
+                inc[d.author] = inc.get(d.author, 0) + 1
         for r in m.rejected:
             if r.figures.get("harmful", 1.0) > 0:
                 rej[r.author] = rej.get(r.author, 0) + 1

@@ -13,17 +13,27 @@ next ones of the same seeded list) for it and the parent, and the test is repeat
 A late round's honest gain of 3-7 points is often not significant on 300 tasks (the demo lost such deltas
 at p = 0.1-0.4), and the second look costs only the candidates that need it. Both looks test at Pocock's
 nominal level, which keeps the chance that a delta with no effect passes at 1 - confidence overall.
+Two rules a network file may turn on (`net init` and the demo do; README, "Saturated skills and deltas on credit"):
+- saturation: a skill the parent solves at `saturated_at` or better on the first look takes no delta this round;
+- credit: a delta that stays inconclusive (not significantly better, not significantly worse, no other skill
+  hurt beyond `max_other_drop`) from a key with a record is merged on credit, earning its key nothing
+  (`reputation.py`), and only for a skill no delta of the round showed a gain for (averaged with one that did,
+  it would only dilute it). Fresh keys still have to show significance; the merge guard still tests the merge.
 Evaluation figures are this coordinator's measurement on its hardware; they decide inclusion and are
 published, but only the merge of what was included is bit-reproducible by others.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 from skillswarm.node.rounds.context import Candidate, RoundContext
 from skillswarm.node.rounds.paired import Paired, Scores, pocock_level, scores
+from skillswarm.node.rounds.reputation import reputation_of, reputations
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -65,8 +75,16 @@ class Usefulness:
             base = before if look == 0 else second
             return {s: Paired.compare(base[s], scores(engine, s, policy.eval_n, ctx.eval_seed, look)) for s in skills}
 
+        table = reputations(ctx.history, ctx.spec.trust.reputation_rounds) if policy.on_credit is True else {}
         out = []
         for c in candidates:
+            parent_accuracy = sum(ok for _, ok in before[c.skill]) / len(before[c.skill])
+            if policy.saturated(parent_accuracy):
+                ctx.reject(c, self.name, f"the parent already solves {c.skill} ({parent_accuracy:.1%} of "
+                                         f"{policy.eval_n} tasks, saturated at {policy.saturated_at:.0%}): there is "
+                                         f"no gain left to show, so the round takes no delta for it",
+                           {"parent_accuracy": parent_accuracy}, harmful=False)
+                continue
             t0 = time.monotonic()
             with DeltaFile(c.path) as f, torch.no_grad():
                 changed = {n: parent[n] + f.get(n).to(parent[n].dtype) for n in f.names() if n in parent}
@@ -89,7 +107,15 @@ class Usefulness:
                 c.figures.update({"worst_other_gain": worst[1].gain, "p_worse": worst[1].p_worse})
             # harm is tested at the full alpha on every look: erring there costs honest deltas, not the network
             hurt = [(s, p) for s, p in others if -p.gain > policy.max_other_drop and p.p_worse <= alpha]
-            if not (own.wins > own.losses and own.p_better <= level):
+            significant = own.wins > own.losses and own.p_better <= level
+            if not significant and not hurt and table and _creditable(own, alpha) \
+                    and reputation_of(table, c.author).say > 0:
+                c.figures.pop("eval_s", None)  # a manifest carries 8 figures: this one says why it is in
+                c.figures["on_credit"] = 1.0
+                log.info("round v%d: %s (%s) merged on credit: %d tasks better, %d worse of %d", ctx.parent.version,
+                         c.manifest.blob[:12], c.skill, own.wins, own.losses, own.n)
+                out.append(c)
+            elif not significant:
                 ctx.reject(c, self.name, f"it does not improve {c.skill} with {policy.confidence:.0%} confidence: "
                                          f"{own.wins} tasks better, {own.losses} worse of {own.n}"
                                          f"{' (two looks)' if looks == 2 else ''} "
@@ -102,7 +128,28 @@ class Usefulness:
                                          f"{policy.max_other_drop:.1%}")
             else:
                 out.append(c)
+        return self._credit_only_where_nothing_was_shown(ctx, out)
+
+    def _credit_only_where_nothing_was_shown(self, ctx: RoundContext, passed: list[Candidate]) -> list[Candidate]:
+        """Drop the deltas on credit of a skill that has a delta with a shown gain this round: averaged into that
+        skill they would only dilute it (a random direction from a key with a record cost the drill's merge 9.3
+        points that way; bench/poison.py --reputed)."""
+        shown = {c.skill for c in passed if "on_credit" not in c.figures}
+        out = []
+        for c in passed:
+            if "on_credit" in c.figures and c.skill in shown:
+                ctx.reject(c, self.name, f"another delta of {c.skill} showed a gain this round; one that showed "
+                                         f"none would only dilute it in the skill's average", harmful=False)
+            else:
+                out.append(c)
         return out
+
+
+def _creditable(own: Paired, alpha: float) -> bool:
+    """Whether a delta that did not show a gain may go in on credit: it changed some task of its skill (a delta that
+    changes nothing is a free ride) and its skill is not significantly worse (at `alpha`). What it costs the other
+    skills is judged as for any delta: `max_other_drop` alone, then the merge guard."""
+    return own.wins + own.losses > 0 and own.p_worse > alpha
 
 
 def _undecided(after: dict[str, Paired], skill: str, level: float, alpha: float, max_other_drop: float) -> bool:
