@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from skillswarm.node.demo import DemoConfig, run_demo, specialist_dir
-from skillswarm.protocol.records import ScreenPolicy
+from skillswarm.protocol.records import MergePolicy, ScreenPolicy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -59,7 +59,8 @@ def test_a_short_demo_reports_retention_and_stops_every_process(nano_model: Path
         if row["retention_interval"] is not None:
             lo, hi = row["retention_interval"]
             assert lo <= hi
-    assert list(report["methods"]) == ["ties(density=0.3, lambda=1)", "task_arithmetic(lambda=1)"]  # the run's, then the re-merge
+    run = f"ties(density={MergePolicy().density:g}, lambda=1)"  # the network's default merge
+    assert list(report["methods"]) == [run, "task_arithmetic(lambda=1)"]  # the run's, then the re-merge
     assert report["history"][0]["included"] == 2  # both skills' deltas went into v1
     assert phases[-1] == "done" and "comparing" in phases and "remeasuring" in phases
     assert report["interval_level"] == 0.9 and report["retain"] == 1.0 and report["retention_n"] == 16
