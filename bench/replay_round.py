@@ -6,8 +6,9 @@ eval seed, by the network's usefulness test and merge (lambda search and guard) 
 `--confidence`, or merged without any screening (`--accept-all`); `--leave-out SKILL` drops a skill's delta first;
 `--new-rules` screens with a new network's saturation and credit rules, `--density` merges at another density.
 The merged model is evaluated on the first `--n` held-out tasks per skill, and retention = (merged - base) /
-(specialist - base) uses the base and last-round specialist the demo re-measured on those same tasks (report.json). With the run's own settings it reproduces the
-run's final checkpoint, so a coordinator-side change can be judged on saved runs without training anything.
+(specialist - base) uses the base and last-round specialist the demo re-measured on those same tasks (report.json).
+With the run's own settings it reproduces the run's final checkpoint, so a coordinator-side change can be judged on
+saved runs without training anything.
 
     .venv/bin/python bench/replay_round.py --run runs/h2 --run runs/h5 --screen-eval-n 1000 --json
     .venv/bin/python bench/replay_round.py --run runs/g3 --accept-all
