@@ -4,7 +4,8 @@ and judge the merge it makes by the demo's own measure: retention on the re-meas
 Every delta the round received (included or rejected) is screened again on the round's parent, with the round's
 eval seed, by the network's usefulness test and merge (lambda search and guard) under `--screen-eval-n` and
 `--confidence`, or merged without any screening (`--accept-all`); `--leave-out SKILL` drops a skill's delta first;
-`--new-rules` screens with a new network's saturation and credit rules, `--density` merges at another density.
+`--new-rules` screens with a new network's saturation and credit rules (`--no-credit`: without credit), `--density`
+merges at another density.
 The merged model is evaluated on the first `--n` held-out tasks per skill, and retention = (merged - base) /
 (specialist - base) uses the base and last-round specialist the demo re-measured on those same tasks (report.json).
 With the run's own settings it reproduces the run's final checkpoint, so a coordinator-side change can be judged on
@@ -38,7 +39,7 @@ class Published:
 
 def replay(run: Path, eval_n: int | None, confidence: float | None, accept_all: bool, n: int | None,
            leave_out: frozenset[str] = frozenset(), new_rules: bool = False,
-           density: float | None = None) -> dict[str, Any]:
+           density: float | None = None, no_credit: bool = False) -> dict[str, Any]:
     """The last round of `run` screened and merged again; per skill the merged accuracy on the first `n` held-out
     tasks (default: as many as the demo re-measured) and its retention."""
     import msgspec
@@ -64,6 +65,8 @@ def replay(run: Path, eval_n: int | None, confidence: float | None, accept_all: 
     if new_rules:  # what a network written today screens with: saturation and credit on
         fresh = ScreenPolicy.for_new_network()
         screen = msgspec.structs.replace(screen, saturated_at=fresh.saturated_at, on_credit=fresh.on_credit)
+    if no_credit:  # an inconclusive delta is rejected whatever its key's record
+        screen = msgspec.structs.replace(screen, on_credit=msgspec.UNSET)
     spec = msgspec.structs.replace(spec, screen=screen, merge=msgspec.structs.replace(
         spec.merge, **({} if density is None else {"density": density})))
     history = [msgspec.msgpack.decode((cks / f"v{v}" / "manifest.msgpack").read_bytes(), type=CheckpointManifest)
@@ -110,6 +113,7 @@ def main() -> int:
     parser.add_argument("--new-rules", action="store_true",
                         help="screen with a new network's saturation and credit rules (a run's file may predate them)")
     parser.add_argument("--density", type=float, default=None, help="the merge's density (default: the run's)")
+    parser.add_argument("--no-credit", action="store_true", help="screen without the credit rule")
     parser.add_argument("--leave-out", action="append", default=[], help="a skill whose delta is not replayed (repeatable)")
     parser.add_argument("--n", type=int, default=None, help="held-out tasks per skill (default: the run's re-measure)")
     parser.add_argument("--json", action="store_true")
@@ -122,11 +126,11 @@ def main() -> int:
     rows = []
     for run in args.run:
         rows.append(replay(run, args.screen_eval_n, args.confidence, args.accept_all, args.n, frozenset(args.leave_out),
-                           args.new_rules, args.density))
+                           args.new_rules, args.density, args.no_credit))
         print(f"{run.name} done", file=sys.stderr)
     passed = sum(1 for r in rows if r["min_retention"] is not None and r["min_retention"] >= 0.9)
     out = {"screen_eval_n": args.screen_eval_n, "confidence": args.confidence, "accept_all": args.accept_all,
-           "new_rules": args.new_rules, "density": args.density, "leave_out": sorted(args.leave_out),
+           "new_rules": args.new_rules, "no_credit": args.no_credit, "density": args.density, "leave_out": sorted(args.leave_out),
            "rows": rows, "runs_keeping_90pct_of_every_gain": passed}
     if args.json:
         print(json.dumps(out, indent=2))

@@ -28,9 +28,18 @@ from typing import Callable, Iterator
 
 from msgspec import UNSET
 
-from skillswarm.node.retention import LEVEL, RETENTION_N, Remeasured, remeasure, retention
+from skillswarm.node.retention import (
+    AT_OR_ABOVE_P,
+    LEVEL,
+    RETENTION_N,
+    Remeasured,
+    Versus,
+    remeasure,
+    retention,
+    versus_specialists,
+)
 from skillswarm.node.rl.config import EVAL_N, TrainConfig, default_of
-from skillswarm.node.store import network_dir, round_dir
+from skillswarm.node.store import CheckpointStore, network_dir, round_dir
 from skillswarm.protocol.atomic import atomic_write_text
 from skillswarm.protocol.errors import SkillswarmError
 from skillswarm.protocol.hashing import weights_hash
@@ -259,8 +268,9 @@ def run_demo(cfg: DemoConfig, base: Path, on_status: Callable[[DemoStatus], None
             log.warning("no last-round model for %s: no re-measured retention for it", ", ".join(missing))
         remeasured = remeasure(base, {k: p for k, p in trained.items() if k not in missing}, cfg.out / "final",
                                cfg.retention_n)
+        versus = versus_first_specialists(s, cfg, final.version)
     report = make_report(cfg, final, [h for h in history if h is not None], deltas, time.monotonic() - t0,
-                         alternatives, remeasured)
+                         alternatives, remeasured, versus)
     atomic_write_text(cfg.out / "report.json", json.dumps(report, indent=2, sort_keys=True) + "\n")
     plot_report(report, cfg.out / "report.png")
     status.phase = "done"
@@ -315,6 +325,15 @@ def compare_methods(obs, spec: NetworkSpec, final: CheckpointManifest, cfg: Demo
     return out
 
 
+def versus_first_specialists(s: Swarm, cfg: DemoConfig, last: int) -> dict[str, list[Versus]]:
+    """Every round's merged checkpoint (the coordinator's copies) against each skill's first-round specialist, on
+    `retention_n` tasks: does the swarm end above what one round of one worker reached alone?"""
+    store = CheckpointStore(NETWORK, network_dir(NETWORK, s.home("coordinator")))
+    checkpoints = {v: store.path(v) for v in range(1, last + 1) if store.has(v)}
+    first = {k: specialist_dir(s.home(f"worker-{k}"), k, 0) for k in cfg.skills}
+    return versus_specialists(checkpoints, {k: p for k, p in first.items() if p.is_dir()}, cfg.retention_n)
+
+
 def specialist_dir(home: Path, skill: str, version: int) -> Path:
     """The model a demo worker (whose SKILLSWARM_HOME is `home`) trained on checkpoint `version`."""
     return round_dir(network_dir(NETWORK, home), skill, version) / "model"
@@ -323,10 +342,12 @@ def specialist_dir(home: Path, skill: str, version: int) -> Path:
 def make_report(cfg: DemoConfig, final: CheckpointManifest, history: list[CheckpointManifest],
                 deltas: dict[int, list[DeltaManifest]], seconds: float,
                 alternatives: dict[str, dict[str, float]] | None = None,
-                remeasured: dict[str, Remeasured] | None = None) -> dict:
+                remeasured: dict[str, Remeasured] | None = None,
+                versus: dict[str, list[Versus]] | None = None) -> dict:
     """report.json: per skill base / specialist / merged accuracy and retention, plus the run's history;
     `methods` holds the same figures for the final round re-merged with other methods; `remeasured` the three
-    models on `retention_n` tasks (from `remeasure`), and `retention_interval` that retention's interval."""
+    models on `retention_n` tasks (from `remeasure`), and `retention_interval` that retention's interval;
+    `versus_first_specialist` every round's checkpoint against the first-round specialist (`versus_specialists`)."""
     skills = {}
     last = final.version - 1
     for skill in cfg.skills:
@@ -344,7 +365,8 @@ def make_report(cfg: DemoConfig, final: CheckpointManifest, history: list[Checkp
                          "round_specialists": rounds, "best_round_specialist": best,
                          "first_round_specialist": rounds[0] if rounds else None,
                          "remeasured": _remeasured_row(r) if (r := (remeasured or {}).get(skill)) else None,
-                         "retention_interval": list(r.interval) if r and r.interval else None}
+                         "retention_interval": list(r.interval) if r and r.interval else None,
+                         "versus_first_specialist": [_versus_row(x) for x in (versus or {}).get(skill, [])]}
     run_label = method_label(MergePolicy(method=cfg.method, density=cfg.density, scale=cfg.scale))  # type: ignore[arg-type]
     methods = {run_label: {k: {"merged": v["merged"], "retention": v["retention"]} for k, v in skills.items()}}
     for label, accuracy in (alternatives or {}).items():
@@ -354,7 +376,7 @@ def make_report(cfg: DemoConfig, final: CheckpointManifest, history: list[Checkp
         "skills": skills, "method": cfg.method, "method_label": run_label, "methods": methods,
         "rounds": final.version, "steps_per_round": cfg.steps_per_round, "minutes_per_round": cfg.minutes_per_round,
         "retain": cfg.retain, "lr_decay": cfg.lr_decay,
-        "eval_n": cfg.eval_n, "retention_n": cfg.retention_n, "interval_level": LEVEL, "seconds": round(seconds, 1), "final_version": final.version,
+        "eval_n": cfg.eval_n, "retention_n": cfg.retention_n, "interval_level": LEVEL, "at_or_above_p": AT_OR_ABOVE_P, "seconds": round(seconds, 1), "final_version": final.version,
         "weights_hash": final.weights_hash, "checkpoint": str(cfg.out / "final"),
         "history": [{"version": h.version, "included": len(h.included), "rejected": len(h.rejected),
                      "accuracy": {k: m.accuracy for k, m in sorted(h.metrics.items())}} for h in history],
@@ -366,6 +388,11 @@ def make_report(cfg: DemoConfig, final: CheckpointManifest, history: list[Checkp
 
 def _remeasured_row(r: Remeasured) -> dict:
     return {"n": r.n, "base": r.base, "specialist": r.specialist, "merged": r.merged, "retention": r.retention}
+
+
+def _versus_row(x: Versus) -> dict:
+    return {"version": x.version, "merged": x.merged, "specialist": x.specialist, "wins": x.wins, "losses": x.losses,
+            "p_worse": round(x.p_worse, 4), "at_or_above": x.at_or_above}
 
 
 def per_round(skills: dict[str, dict], history: list[CheckpointManifest]) -> list[dict]:

@@ -83,3 +83,43 @@ def remeasure(base: Path, specialists: dict[str, Path], merged: Path, n: int,
         acc = [sum(x) / n for x in (b, s, m)]
         out[skill] = Remeasured(n, *acc, retention(*acc), retention_interval(b, s, m, level=level))
     return out
+
+
+# A merged model counts as "at or above" a specialist unless the tasks it loses to it outnumber those it wins at
+# p <= this (one-sided exact sign test): at 98-99% accuracy two equal models differ by a few tasks either way.
+AT_OR_ABOVE_P = 0.05
+
+
+@dataclass(frozen=True)
+class Versus:
+    """A merged checkpoint against a skill's specialist, task by task on the same `n` held-out tasks."""
+
+    version: int
+    merged: float
+    specialist: float
+    wins: int  # tasks the merged model solves and the specialist does not
+    losses: int  # tasks the specialist solves and the merged model does not
+    p_worse: float  # one-sided sign test that the merged model is the worse one
+
+    @property
+    def at_or_above(self) -> bool:
+        """Not significantly below the specialist (see AT_OR_ABOVE_P)."""
+        return self.p_worse > AT_OR_ABOVE_P
+
+
+def versus_specialists(checkpoints: dict[int, Path], specialists: dict[str, Path], n: int) -> dict[str, list[Versus]]:
+    """Per skill, every merged checkpoint (version -> directory) against that skill's specialist on the first `n`
+    held-out tasks: whether the swarm's rounds add up to more than one specialist's round."""
+    from skillswarm.node.rl.engines.hf import HFEngine
+    from skillswarm.node.rounds.paired import sign_test_p
+
+    solved = {skill: correct_per_task(path, skill, n) for skill, path in specialists.items()}
+    out: dict[str, list[Versus]] = {skill: [] for skill in specialists}
+    for version, path in sorted(checkpoints.items()):
+        engine = HFEngine.load(path)  # one checkpoint at a time, played on every skill
+        for skill, s in solved.items():
+            m = correct_per_task(engine, skill, n)
+            wins = sum(a and not b for a, b in zip(m, s))
+            losses = sum(b and not a for a, b in zip(m, s))
+            out[skill].append(Versus(version, sum(m) / n, sum(s) / n, wins, losses, sign_test_p(losses, wins)))
+    return out

@@ -56,6 +56,9 @@ def test_a_short_demo_reports_retention_and_stops_every_process(nano_model: Path
             assert math.isclose(again["retention"], expected, abs_tol=1e-4)
         else:
             assert again["retention"] is None and row["retention_interval"] is None
+        versus, = row["versus_first_specialist"]  # v1 against the first-round specialist: the same two models
+        assert versus["version"] == 1 and (versus["merged"], versus["specialist"]) == (again["merged"], again["specialist"])
+        assert versus["wins"] - versus["losses"] == round(16 * (again["merged"] - again["specialist"]))
         if row["retention_interval"] is not None:
             lo, hi = row["retention_interval"]
             assert lo <= hi

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 from skillswarm.node.demo import DemoConfig, make_report, method_label, parse_method
+from skillswarm.node.retention import AT_OR_ABOVE_P, Versus
+from skillswarm.node.rounds.paired import sign_test_p
 from skillswarm.protocol.errors import SkillswarmError
 from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, FileEntry, SkillMetrics, TrainStats
 
@@ -74,7 +76,21 @@ def test_printed_report_shows_each_round_against_the_specialists(tmp_path: Path,
     final = CheckpointManifest(network="demo", version=2, parent_version=1, parent_hash=SHA, weights_hash=SHA,
                                files=[FileEntry(path="model.safetensors", sha256=SHA, size=1)], method="ties",
                                metrics={"sort": SkillMetrics(accuracy=0.69)})
-    print_report(make_report(cfg, final, [final], deltas, 60.0), tmp_path)
+    # v1 lost more tasks to the first-round specialist than it won, significantly; v2 won more
+    versus = {"sort": [Versus(1, 0.58, 0.62, 2, 14, sign_test_p(14, 2)), Versus(2, 0.70, 0.62, 30, 6, sign_test_p(6, 30))]}
+    report = make_report(cfg, final, [final], deltas, 60.0, versus=versus)
+    assert report["skills"]["sort"]["versus_first_specialist"][0] == {
+        "version": 1, "merged": 0.58, "specialist": 0.62, "wins": 2, "losses": 14, "p_worse": 0.0021, "at_or_above": False}
+    assert report["skills"]["sort"]["versus_first_specialist"][1]["at_or_above"] is True
+    print_report(report, tmp_path)
     text = capsys.readouterr().out
     assert "first-round specialist" in text and "61.0%" in text  # round 0's specialist, beside the best (round 1's)
     assert "best single-round specialist" in text and "73.0%" in text and "69.0%" in text
+    assert "58.0% -4.0 (2:14, p=0.0021)" in text and "below: sort" in text  # re-measured, task by task
+    assert "70.0% +8.0 (30:6)" in text and "every skill" in text
+
+
+def test_at_or_above_is_a_one_sided_test_against_the_specialist() -> None:
+    assert Versus(3, 0.986, 0.990, 4, 8, sign_test_p(8, 4)).at_or_above  # 4 tasks behind of 1000: not shown worse
+    assert not Versus(3, 0.979, 0.991, 0, 12, sign_test_p(12, 0)).at_or_above  # 12 lost, none won
+    assert sign_test_p(12, 0) <= AT_OR_ABOVE_P < sign_test_p(8, 4)

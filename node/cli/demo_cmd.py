@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from rich.table import Table
 
 from skillswarm.node.cli.common import JsonOpt, console, err_console, print_json, table
 from skillswarm.node.demo import DemoConfig
@@ -84,7 +85,8 @@ def demo_cmd(
             text = {"training": f"round {st.version + 1}/{rounds}: workers training, {st.deltas}/{len(skills)} deltas in",
                     "pulling": "pulling the final checkpoint",
                     "comparing": "re-merging the last round with other methods",
-                    "remeasuring": f"re-measuring base, specialists and merged model on {retention_n} tasks per skill", "done": "done"}.get(st.phase, st.phase)
+                    "remeasuring": f"re-measuring base, specialists and every round's checkpoint on {retention_n} "
+                                   "tasks per skill", "done": "done"}.get(st.phase, st.phase)
             bar.update(task, description=text)
 
         report = run_demo(cfg, base, on_status=show)
@@ -112,12 +114,41 @@ def print_report(report: dict, out: Path) -> None:
                        ("best single-round specialist", "best_round_specialist")):
         rows.append([label, *(pct(report["skills"][k][key]) for k in names), ""])
     console.print(table("merged accuracy after each round", ["checkpoint", *names, "deltas merged / rejected"], rows))
+    versus = {k: v.get("versus_first_specialist") or [] for k, v in report["skills"].items()}
+    if any(versus.values()):
+        console.print(_versus_table(report, versus))
     if len(report["methods"]) > 1:
         rows = [[label, *(_cell(v[k]) for k in names)] for label, v in report["methods"].items()]
         console.print(table("the last round's deltas merged by each method: merged accuracy (retention)",
                             ["method", *names], rows))
     console.print(f"report: {out / 'report.json'}, plot: {out / 'report.png'}, checkpoint: {out / 'final'} "
                   f"({report['seconds'] / 60:.1f} min)")
+
+
+def _versus_table(report: dict, versus: dict[str, list[dict]]) -> Table:
+    """Each round's checkpoint against each skill's first-round specialist, re-measured task by task."""
+    names = list(versus)
+    by_version: dict[int, dict[str, dict]] = {}
+    for skill, rows in versus.items():
+        for r in rows:
+            by_version.setdefault(r["version"], {})[skill] = r
+    first = {k: rows[0]["specialist"] for k, rows in versus.items() if rows}
+    out = [["first-round specialist", *(f"{100 * first[k]:.1f}%" if k in first else "-" for k in names), ""]]
+    for version, row in sorted(by_version.items()):
+        below = [k for k in names if k in row and not row[k]["at_or_above"]]
+        out.append([f"v{version}", *(_versus_cell(row.get(k)) for k in names),
+                    "every skill" if not below and len(row) == len(names) else ("below: " + ", ".join(below) if below else "-")])
+    return table(f"each round's checkpoint against the first-round specialist (re-measured on n={report['retention_n']}; "
+                 f"merged, points ahead, tasks won:lost; at or above unless a one-sided sign test gives p <= "
+                 f"{report['at_or_above_p']:g})",
+                 ["checkpoint", *names, "at or above"], out)
+
+
+def _versus_cell(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    p = "" if r["at_or_above"] else f", p={r['p_worse']:.2g}"
+    return f"{100 * r['merged']:.1f}% {100 * (r['merged'] - r['specialist']):+.1f} ({r['wins']}:{r['losses']}{p})"
 
 
 def _share(x: float | None) -> str:
