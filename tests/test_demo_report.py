@@ -88,6 +88,9 @@ def test_printed_report_shows_each_round_against_the_specialists(tmp_path: Path,
     assert "best single-round specialist" in text and "73.0%" in text and "69.0%" in text
     assert "58.0% -4.0 (2:14, p=0.0021)" in text and "below: sort" in text  # re-measured, task by task
     assert "70.0% +8.0 (30:6)" in text and "every skill" in text
+    lost = make_report(cfg, final, [final], deltas, 60.0, versus={"sort": [Versus(1, 0.5, 0.6, 0, 100, sign_test_p(100, 0))]})
+    print_report(lost, tmp_path)
+    assert "(0:100, p<0.0001)" in capsys.readouterr().out
 
 
 def test_at_or_above_is_a_one_sided_test_against_the_specialist() -> None:

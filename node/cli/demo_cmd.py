@@ -133,7 +133,7 @@ def _versus_table(report: dict, versus: dict[str, list[dict]]) -> Table:
         for r in rows:
             by_version.setdefault(r["version"], {})[skill] = r
     first = {k: rows[0]["specialist"] for k, rows in versus.items() if rows}
-    out = [["first-round specialist", *(f"{100 * first[k]:.1f}%" if k in first else "-" for k in names), ""]]
+    out = [["specialist", *(f"{100 * first[k]:.1f}%" if k in first else "-" for k in names), ""]]
     for version, row in sorted(by_version.items()):
         below = [k for k in names if k in row and not row[k]["at_or_above"]]
         out.append([f"v{version}", *(_versus_cell(row.get(k)) for k in names),
@@ -147,7 +147,7 @@ def _versus_table(report: dict, versus: dict[str, list[dict]]) -> Table:
 def _versus_cell(r: dict | None) -> str:
     if r is None:
         return "-"
-    p = "" if r["at_or_above"] else f", p={r['p_worse']:.2g}"
+    p = "" if r["at_or_above"] else ", p<0.0001" if r["p_worse"] < 1e-4 else f", p={r['p_worse']:.2g}"
     return f"{100 * r['merged']:.1f}% {100 * (r['merged'] - r['specialist']):+.1f} ({r['wins']}:{r['losses']}{p})"
 
 
