@@ -46,7 +46,8 @@ def demo_cmd(
     no_compare: Annotated[bool, typer.Option("--no-compare", help="Skip the re-merge comparison.")] = False,
     eval_n: Annotated[int, typer.Option(help="Held-out episodes per skill for every accuracy figure.", min=1)] = _d("eval_n"),
     retention_n: Annotated[int, typer.Option(help="Held-out tasks per skill on which base, specialists and merged "
-                                                  "model are re-measured at the end (a retention with half the sampling error, and its interval).",
+                                                  "model are re-measured at the end (a retention with half the sampling error, and its interval), "
+                                                  "and every round's checkpoint is paired with the first-round specialists.",
                                              min=1)] = _d("retention_n"),
     retain: Annotated[float, typer.Option(help="Workers keep the other skills where each round started (a KL of this "
                                           "weight on the start's episodes of them; 0: off).", min=0.0)] = _d("retain"),
