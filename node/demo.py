@@ -268,7 +268,7 @@ def run_demo(cfg: DemoConfig, base: Path, on_status: Callable[[DemoStatus], None
             log.warning("no last-round model for %s: no re-measured retention for it", ", ".join(missing))
         remeasured = remeasure(base, {k: p for k, p in trained.items() if k not in missing}, cfg.out / "final",
                                cfg.retention_n)
-        versus = versus_first_specialists(s, cfg, final.version)
+        versus = versus_first_specialists(cfg.out, list(cfg.skills), final.version, cfg.retention_n)
     report = make_report(cfg, final, [h for h in history if h is not None], deltas, time.monotonic() - t0,
                          alternatives, remeasured, versus)
     atomic_write_text(cfg.out / "report.json", json.dumps(report, indent=2, sort_keys=True) + "\n")
@@ -325,13 +325,13 @@ def compare_methods(obs, spec: NetworkSpec, final: CheckpointManifest, cfg: Demo
     return out
 
 
-def versus_first_specialists(s: Swarm, cfg: DemoConfig, last: int) -> dict[str, list[Versus]]:
-    """Every round's merged checkpoint (the coordinator's copies) against each skill's first-round specialist, on
-    `retention_n` tasks: does the swarm end above what one round of one worker reached alone?"""
-    store = CheckpointStore(NETWORK, network_dir(NETWORK, s.home("coordinator")))
+def versus_first_specialists(out: Path, skills: list[str], last: int, n: int) -> dict[str, list[Versus]]:
+    """Every round's merged checkpoint (the coordinator's copies) of the demo run in `out` against each skill's
+    first-round specialist, on `n` tasks: does the swarm end above what one round of one worker reached alone?"""
+    store = CheckpointStore(NETWORK, network_dir(NETWORK, out / "nodes" / "coordinator"))
     checkpoints = {v: store.path(v) for v in range(1, last + 1) if store.has(v)}
-    first = {k: specialist_dir(s.home(f"worker-{k}"), k, 0) for k in cfg.skills}
-    return versus_specialists(checkpoints, {k: p for k, p in first.items() if p.is_dir()}, cfg.retention_n)
+    first = {k: specialist_dir(out / "nodes" / f"worker-{k}", k, 0) for k in skills}
+    return versus_specialists(checkpoints, {k: p for k, p in first.items() if p.is_dir()}, n)
 
 
 def specialist_dir(home: Path, skill: str, version: int) -> Path:
