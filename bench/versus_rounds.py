@@ -46,25 +46,12 @@ def main() -> int:
     if args.json:
         print(json.dumps({"at_or_above_p": AT_OR_ABOVE_P, "runs": out}, indent=2))
         return 0
-    from rich.console import Console
-    from rich.table import Table
+    from skillswarm.node.cli.common import console
+    from skillswarm.node.cli.demo_cmd import versus_table
 
-    console = Console()
     for run, row in out.items():
-        skills = list(row["skills"])
-        t = Table(title=f"{run}: each round against the first-round specialist (n={row['n']}; merged, points ahead, "
-                        f"won:lost, p where below {AT_OR_ABOVE_P:g})", title_justify="left")
-        for c in ["checkpoint", *skills, "at or above"]:
-            t.add_column(c)
-        for v, ok in row["every_skill_at_or_above"].items():
-            cells = []
-            for k in skills:
-                x = next(x for x in row["skills"][k] if f"v{x['version']}" == v)
-                p = "" if x["at_or_above"] else f", p={x['p_worse']:.2g}"
-                cells.append(f"{100 * x['merged']:.1f}% {100 * (x['merged'] - x['specialist']):+.1f} "
-                             f"({x['wins']}:{x['losses']}{p})")
-            t.add_row(v, *cells, "every skill" if ok else "no")
-        console.print(t)
+        console.print(f"{run}:")
+        console.print(versus_table(row["skills"], row["n"], AT_OR_ABOVE_P))
     return 0
 
 

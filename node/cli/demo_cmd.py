@@ -117,7 +117,7 @@ def print_report(report: dict, out: Path) -> None:
     console.print(table("merged accuracy after each round", ["checkpoint", *names, "deltas merged / rejected"], rows))
     versus = {k: v.get("versus_first_specialist") or [] for k, v in report["skills"].items()}
     if any(versus.values()):
-        console.print(_versus_table(report, versus))
+        console.print(versus_table(versus, report["retention_n"], report["at_or_above_p"]))
     if len(report["methods"]) > 1:
         rows = [[label, *(_cell(v[k]) for k in names)] for label, v in report["methods"].items()]
         console.print(table("the last round's deltas merged by each method: merged accuracy (retention)",
@@ -126,8 +126,9 @@ def print_report(report: dict, out: Path) -> None:
                   f"({report['seconds'] / 60:.1f} min)")
 
 
-def _versus_table(report: dict, versus: dict[str, list[dict]]) -> Table:
-    """Each round's checkpoint against each skill's first-round specialist, re-measured task by task."""
+def versus_table(versus: dict[str, list[dict]], n: int, level: float) -> Table:
+    """Each round's checkpoint against each skill's first-round specialist on `n` tasks (report.json's
+    `versus_first_specialist` rows per skill), below where the sign test gives p <= `level`."""
     names = list(versus)
     by_version: dict[int, dict[str, dict]] = {}
     for skill, rows in versus.items():
@@ -139,9 +140,8 @@ def _versus_table(report: dict, versus: dict[str, list[dict]]) -> Table:
         below = [k for k in names if k in row and not row[k]["at_or_above"]]
         out.append([f"v{version}", *(_versus_cell(row.get(k)) for k in names),
                     "every skill" if not below and len(row) == len(names) else ("below: " + ", ".join(below) if below else "-")])
-    return table(f"each round's checkpoint against the first-round specialist (re-measured on n={report['retention_n']}; "
-                 f"merged, points ahead, tasks won:lost; at or above unless a one-sided sign test gives p <= "
-                 f"{report['at_or_above_p']:g})",
+    return table(f"each round's checkpoint against the first-round specialist (re-measured on n={n}; "
+                 f"merged, points ahead, tasks won:lost; at or above unless a one-sided sign test gives p <= {level:g})",
                  ["checkpoint", *names, "at or above"], out)
 
 
