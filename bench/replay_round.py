@@ -130,7 +130,8 @@ def main() -> int:
         print(f"{run.name} done", file=sys.stderr)
     passed = sum(1 for r in rows if r["min_retention"] is not None and r["min_retention"] >= 0.9)
     out = {"screen_eval_n": args.screen_eval_n, "confidence": args.confidence, "accept_all": args.accept_all,
-           "new_rules": args.new_rules, "no_credit": args.no_credit, "density": args.density, "leave_out": sorted(args.leave_out),
+           "new_rules": args.new_rules, "no_credit": args.no_credit, "density": args.density,
+           "leave_out": sorted(args.leave_out),
            "rows": rows, "runs_keeping_90pct_of_every_gain": passed}
     if args.json:
         print(json.dumps(out, indent=2))

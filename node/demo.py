@@ -33,6 +33,7 @@ from skillswarm.node.retention import (
     LEVEL,
     RETENTION_N,
     Remeasured,
+    Solved,
     Versus,
     remeasure,
     retention,
@@ -266,9 +267,10 @@ def run_demo(cfg: DemoConfig, base: Path, on_status: Callable[[DemoStatus], None
         missing = sorted(k for k, path in trained.items() if not path.is_dir())
         if missing:  # a worker that did not finish the last round itself has no interval
             log.warning("no last-round model for %s: no re-measured retention for it", ", ".join(missing))
+        solved: Solved = {}  # the final checkpoint (and a one-round run's specialists) are played once for both
         remeasured = remeasure(base, {k: p for k, p in trained.items() if k not in missing}, cfg.out / "final",
-                               cfg.retention_n)
-        versus = versus_first_specialists(cfg.out, list(cfg.skills), final.version, cfg.retention_n)
+                               cfg.retention_n, solved=solved)
+        versus = versus_first_specialists(cfg.out, list(cfg.skills), final.version, cfg.retention_n, solved)
     report = make_report(cfg, final, [h for h in history if h is not None], deltas, time.monotonic() - t0,
                          alternatives, remeasured, versus)
     atomic_write_text(cfg.out / "report.json", json.dumps(report, indent=2, sort_keys=True) + "\n")
@@ -325,13 +327,17 @@ def compare_methods(obs, spec: NetworkSpec, final: CheckpointManifest, cfg: Demo
     return out
 
 
-def versus_first_specialists(out: Path, skills: list[str], last: int, n: int) -> dict[str, list[Versus]]:
-    """Every round's merged checkpoint (the coordinator's copies) of the demo run in `out` against each skill's
-    first-round specialist, on `n` tasks: does the swarm end above what one round of one worker reached alone?"""
+def versus_first_specialists(out: Path, skills: list[str], last: int, n: int,
+                             solved: Solved | None = None) -> dict[str, list[Versus]]:
+    """Every round's merged checkpoint of the demo run in `out` (the coordinator's copies; the last one as pulled to
+    out/final) against each skill's first-round specialist, on `n` tasks: does the swarm end above what one round of
+    one worker reached alone?"""
     store = CheckpointStore(NETWORK, network_dir(NETWORK, out / "nodes" / "coordinator"))
     checkpoints = {v: store.path(v) for v in range(1, last + 1) if store.has(v)}
+    if (out / "final").is_dir():
+        checkpoints[last] = out / "final"
     first = {k: specialist_dir(out / "nodes" / f"worker-{k}", k, 0) for k in skills}
-    return versus_specialists(checkpoints, {k: p for k, p in first.items() if p.is_dir()}, n)
+    return versus_specialists(checkpoints, {k: p for k, p in first.items() if p.is_dir()}, n, solved)
 
 
 def specialist_dir(home: Path, skill: str, version: int) -> Path:
@@ -376,7 +382,8 @@ def make_report(cfg: DemoConfig, final: CheckpointManifest, history: list[Checkp
         "skills": skills, "method": cfg.method, "method_label": run_label, "methods": methods,
         "rounds": final.version, "steps_per_round": cfg.steps_per_round, "minutes_per_round": cfg.minutes_per_round,
         "retain": cfg.retain, "lr_decay": cfg.lr_decay,
-        "eval_n": cfg.eval_n, "retention_n": cfg.retention_n, "interval_level": LEVEL, "at_or_above_p": AT_OR_ABOVE_P, "seconds": round(seconds, 1), "final_version": final.version,
+        "eval_n": cfg.eval_n, "retention_n": cfg.retention_n, "interval_level": LEVEL, "at_or_above_p": AT_OR_ABOVE_P,
+        "seconds": round(seconds, 1), "final_version": final.version,
         "weights_hash": final.weights_hash, "checkpoint": str(cfg.out / "final"),
         "history": [{"version": h.version, "included": len(h.included), "rejected": len(h.rejected),
                      "accuracy": {k: m.accuracy for k, m in sorted(h.metrics.items())}} for h in history],

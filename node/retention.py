@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -58,6 +58,23 @@ def correct_per_task(model: Any, skill: str, n: int) -> list[bool]:
     return [bool(r.episode.correct) for r in evaluate(model, skill, n=n).rollouts]
 
 
+# Per-task results already played, by (model directory, skill, n): the demo's re-measure and its round-by-round
+# comparison share the final checkpoint and, in a one-round run, the specialist; each is played once.
+Solved = dict[tuple[Path, str, int], list[bool]]
+
+
+def _played(solved: Solved | None, path: Path, skill: str, n: int, load: Callable[[], Any]) -> list[bool]:
+    """The per-task results on `skill` of the model in `path`, from `solved` when it holds them; else played now on
+    `load()` (an engine or a directory) and kept there."""
+    key = (path, skill, n)
+    if solved is not None and key in solved:
+        return solved[key]
+    result = correct_per_task(load(), skill, n)
+    if solved is not None:
+        solved[key] = result
+    return result
+
+
 @dataclass(frozen=True)
 class Remeasured:
     """One skill's base, specialist and merged accuracy on the same `n` held-out tasks, with the retention and its
@@ -72,14 +89,16 @@ class Remeasured:
 
 
 def remeasure(base: Path, specialists: dict[str, Path], merged: Path, n: int,
-              level: float = LEVEL) -> dict[str, Remeasured]:
-    """Per skill, base, specialist and merged model re-measured task by task on the first `n` held-out tasks."""
+              level: float = LEVEL, solved: Solved | None = None) -> dict[str, Remeasured]:
+    """Per skill, base, specialist and merged model re-measured task by task on the first `n` held-out tasks (the
+    per-task results go into `solved` when given)."""
     from skillswarm.node.rl.engines.hf import HFEngine
 
     base_engine, merged_engine = HFEngine.load(base), HFEngine.load(merged)  # loaded once for every skill
     out = {}
     for skill, specialist in specialists.items():
-        b, s, m = (correct_per_task(model, skill, n) for model in (base_engine, specialist, merged_engine))
+        b, s, m = (_played(solved, path, skill, n, lambda model=model: model) for path, model in
+                   ((base, base_engine), (specialist, specialist), (merged, merged_engine)))
         acc = [sum(x) / n for x in (b, s, m)]
         out[skill] = Remeasured(n, *acc, retention(*acc), retention_interval(b, s, m, level=level))
     return out
@@ -107,18 +126,22 @@ class Versus:
         return self.p_worse > AT_OR_ABOVE_P
 
 
-def versus_specialists(checkpoints: dict[int, Path], specialists: dict[str, Path], n: int) -> dict[str, list[Versus]]:
+def versus_specialists(checkpoints: dict[int, Path], specialists: dict[str, Path], n: int,
+                       solved: Solved | None = None) -> dict[str, list[Versus]]:
     """Per skill, every merged checkpoint (version -> directory) against that skill's specialist on the first `n`
-    held-out tasks: whether the swarm's rounds add up to more than one specialist's round."""
+    held-out tasks: whether the swarm's rounds add up to more than one specialist's round. Models whose results
+    `solved` holds are not played again."""
+    import functools
+
     from skillswarm.node.rl.engines.hf import HFEngine
     from skillswarm.node.rounds.paired import sign_test_p
 
-    solved = {skill: correct_per_task(path, skill, n) for skill, path in specialists.items()}
+    first = {skill: _played(solved, path, skill, n, lambda path=path: path) for skill, path in specialists.items()}
     out: dict[str, list[Versus]] = {skill: [] for skill in specialists}
     for version, path in sorted(checkpoints.items()):
-        engine = HFEngine.load(path)  # one checkpoint at a time, played on every skill
-        for skill, s in solved.items():
-            m = correct_per_task(engine, skill, n)
+        engine = functools.cache(lambda path=path: HFEngine.load(path))  # loaded once, and only if played
+        for skill, s in first.items():
+            m = _played(solved, path, skill, n, engine)
             wins = sum(a and not b for a, b in zip(m, s))
             losses = sum(b and not a for a, b in zip(m, s))
             out[skill].append(Versus(version, sum(m) / n, sum(s) / n, wins, losses, sign_test_p(losses, wins)))

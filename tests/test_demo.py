@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from skillswarm.node.demo import DemoConfig, run_demo, specialist_dir
+from skillswarm.node.demo import DemoConfig, run_demo, specialist_dir, versus_first_specialists
 from skillswarm.protocol.records import MergePolicy, ScreenPolicy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -41,7 +41,7 @@ def test_a_short_demo_reports_retention_and_stops_every_process(nano_model: Path
     assert json.loads((cfg.out / "report.json").read_text()) == report
     assert (cfg.out / "report.png").stat().st_size > 1000
     assert set(report["skills"]) == {"reverse", "sort"} and report["rounds"] == 1
-    for row in report["skills"].values():
+    for skill, row in report["skills"].items():
         for key in ("base", "specialist", "merged"):
             assert 0.0 <= row[key] <= 1.0
         if row["specialist"] > row["base"]:
@@ -56,7 +56,11 @@ def test_a_short_demo_reports_retention_and_stops_every_process(nano_model: Path
             assert math.isclose(again["retention"], expected, abs_tol=1e-4)
         else:
             assert again["retention"] is None and row["retention_interval"] is None
-        versus, = row["versus_first_specialist"]  # v1 against the first-round specialist: the same two models
+        versus, = row["versus_first_specialist"]  # v1 against the first-round specialist: the same two models,
+        # reused from the re-measure; played afresh, they give the same row
+        fresh, = versus_first_specialists(cfg.out, [skill], 1, 16)[skill]
+        assert (fresh.merged, fresh.specialist, fresh.wins, fresh.losses) == (
+            versus["merged"], versus["specialist"], versus["wins"], versus["losses"])
         assert versus["version"] == 1 and (versus["merged"], versus["specialist"]) == (again["merged"], again["specialist"])
         assert versus["wins"] - versus["losses"] == round(16 * (again["merged"] - again["specialist"]))
         if row["retention_interval"] is not None:
