@@ -5,7 +5,7 @@ Every delta the round received (included or rejected) is screened again on the r
 eval seed, by the network's usefulness test and merge (lambda search and guard) under `--screen-eval-n` and
 `--confidence`, or merged without any screening (`--accept-all`); `--leave-out SKILL` drops a skill's delta first;
 `--new-rules` screens with a new network's saturation and credit rules (`--no-credit`: without credit), `--density`
-merges at another density.
+merges at another density; `--version V` replays the round that made vV instead of the last.
 The merged model is evaluated on the first `--n` held-out tasks per skill, and retention = (merged - base) /
 (specialist - base) uses the base and last-round specialist the demo re-measured on those same tasks (report.json).
 With the run's own settings it reproduces the run's final checkpoint, so a coordinator-side change can be judged on
@@ -39,9 +39,10 @@ class Published:
 
 def replay(run: Path, eval_n: int | None, confidence: float | None, accept_all: bool, n: int | None,
            leave_out: frozenset[str] = frozenset(), new_rules: bool = False,
-           density: float | None = None, no_credit: bool = False) -> dict[str, Any]:
-    """The last round of `run` screened and merged again; per skill the merged accuracy on the first `n` held-out
-    tasks (default: as many as the demo re-measured) and its retention."""
+           density: float | None = None, no_credit: bool = False, version: int | None = None) -> dict[str, Any]:
+    """The round of `run` that made `version` (default: the last) screened and merged again; per skill the merged
+    accuracy on the first `n` held-out tasks (default: as many as the demo re-measured) and its retention (against
+    the last round's specialist, so meaningful for the last round only)."""
     import msgspec
 
     from skillswarm.node.rl.engines.hf import HFEngine
@@ -56,7 +57,9 @@ def replay(run: Path, eval_n: int | None, confidence: float | None, accept_all: 
     from remerge import delta_file, demo_run
 
     report, cks = demo_run(run)
-    last, n = report["final_version"], n or report["retention_n"]
+    last, n = version or report["final_version"], n or report["retention_n"]
+    if not 1 <= last <= report["final_version"]:
+        raise SystemExit(f"--version {last}: {run} merged v1 to v{report['final_version']}")
     spec = load_spec(run / "network.toml")
     if unknown := sorted(leave_out - set(spec.skills)):
         raise SystemExit(f"--leave-out {', '.join(unknown)}: not a skill of {run}'s network ({', '.join(spec.skills)})")
@@ -115,6 +118,9 @@ def main() -> int:
     parser.add_argument("--density", type=float, default=None, help="the merge's density (default: the run's)")
     parser.add_argument("--no-credit", action="store_true", help="screen without the credit rule")
     parser.add_argument("--leave-out", action="append", default=[], help="a skill whose delta is not replayed (repeatable)")
+    parser.add_argument("--version", type=int, default=None,
+                        help="replay the round that made this version (default: the last; retention is then against "
+                             "the last round's specialist all the same)")
     parser.add_argument("--n", type=int, default=None, help="held-out tasks per skill (default: the run's re-measure)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -126,7 +132,7 @@ def main() -> int:
     rows = []
     for run in args.run:
         rows.append(replay(run, args.screen_eval_n, args.confidence, args.accept_all, args.n, frozenset(args.leave_out),
-                           args.new_rules, args.density, args.no_credit))
+                           args.new_rules, args.density, args.no_credit, args.version))
         print(f"{run.name} done", file=sys.stderr)
     passed = sum(1 for r in rows if r["min_retention"] is not None and r["min_retention"] >= 0.9)
     out = {"screen_eval_n": args.screen_eval_n, "confidence": args.confidence, "accept_all": args.accept_all,

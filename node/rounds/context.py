@@ -71,6 +71,9 @@ class RoundContext:
     # it, its scores on the first look's tasks (the guard reuses them)
     merge_policy: MergePolicy | None = None
     merged_scores: dict[str, Scores] = field(default_factory=dict)
+    # per saturated skill, its deltas the usefulness test rejected for saturation alone: the merge guard may bring
+    # them back when the merge leaves that skill worse than the parent (guard.py)
+    reserve: dict[str, list[Candidate]] = field(default_factory=dict)
 
     @functools.cached_property
     def max_delta_bytes(self) -> int:
@@ -102,6 +105,10 @@ class RoundContext:
                  step, short)
         self.rejected.append((cand, Rejection(blob=cand.manifest.blob, author=cand.author, skill=cand.skill,
                                               reason=short, step=step, figures=clean_figures(figures))))
+
+    def unreject(self, cand: Candidate) -> None:
+        """Take back `cand`'s rejections: a later step brought it into the round after all."""
+        self.rejected = [(c, r) for c, r in self.rejected if c is not cand]
 
 
 def clean_figures(figures: dict[str, float]) -> dict[str, float]:

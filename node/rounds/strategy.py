@@ -109,12 +109,13 @@ class RoundStrategy:
 
     def merge_guarded(self, ctx: RoundContext, accepted: list[Candidate], out_dir: Path, delta_out: Path,
                       **options: Any) -> tuple[Any, list[Candidate]]:
-        """Merge `accepted` (at the searched lambda); while the guard takes a delta out, merge the rest again.
-        Returns the last merge's result and what it merged (None and [] when the guard took out every delta)."""
+        """Merge `accepted` (at the searched lambda); while the guard changes what is merged (takes a delta out,
+        brings a reserve in), merge again. Returns the last merge's result and what it merged (None and [] when the
+        guard took out every delta)."""
         while accepted:
             result = self.merge_searched(ctx, accepted, out_dir, delta_out, **options)
             kept = accepted if self.guard is None else self.guard(ctx, accepted, out_dir)
-            if len(kept) == len(accepted):
+            if [id(c) for c in kept] == [id(c) for c in accepted]:
                 return result, accepted
             accepted = kept
             shutil.rmtree(out_dir, ignore_errors=True)

@@ -14,7 +14,8 @@ A late round's honest gain of 3-7 points is often not significant on 300 tasks (
 at p = 0.1-0.4), and the second look costs only the candidates that need it. Both looks test at Pocock's
 nominal level, which keeps the chance that a delta with no effect passes at 1 - confidence overall.
 Two rules a network file may turn on (`net init` and the demo do; README, "Saturated skills and deltas on credit"):
-- saturation: a skill the parent solves at `saturated_at` or better on the first look takes no delta this round;
+- saturation: a skill the parent solves at `saturated_at` or better on the first look takes no delta this round,
+  unless the merge leaves that skill worse than the parent: its deltas are held in reserve for the merge guard;
 - credit: a delta that stays inconclusive (not significantly better, not significantly worse, no other skill
   hurt beyond `max_other_drop`) from a key with a record is merged on credit, earning its key nothing
   (`reputation.py`), and only for a skill no delta of the round showed a gain for (averaged with one that did,
@@ -41,6 +42,8 @@ class Usefulness:
     """Paired held-out evaluation of each candidate (see the module docstring)."""
 
     name: str = "usefulness"
+    # False: a saturated skill's delta is judged like any other (the merge guard's look at the deltas in reserve)
+    saturation: bool = True
 
     def __call__(self, ctx: RoundContext, candidates: list[Candidate]) -> list[Candidate]:
         policy = ctx.spec.screen
@@ -79,11 +82,12 @@ class Usefulness:
         out = []
         for c in candidates:
             parent_accuracy = sum(ok for _, ok in before[c.skill]) / len(before[c.skill])
-            if policy.saturated(parent_accuracy):
+            if self.saturation and policy.saturated(parent_accuracy):
                 ctx.reject(c, self.name, f"the parent already solves {c.skill} ({parent_accuracy:.1%} of "
                                          f"{policy.eval_n} tasks, saturated at {policy.saturated_at:.0%}): there is "
                                          f"no gain left to show, so the round takes no delta for it",
                            {"parent_accuracy": parent_accuracy}, harmful=False)
+                ctx.reserve.setdefault(c.skill, []).append(c)
                 continue
             t0 = time.monotonic()
             with DeltaFile(c.path) as f, torch.no_grad():
