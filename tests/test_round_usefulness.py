@@ -1,6 +1,7 @@
 """The usefulness test on the real nano model with really trained deltas: an improving delta gets in; a
 sign-flipped, a random-direction, a trained-against-the-skill and a forgetting delta stay out, each with
-its figures. And the merge guard: a delta whose cost the per-delta tolerance let through is taken out of the merge."""
+its figures. And the merge guard: a delta whose cost the per-delta tolerance let through is taken out of the merge,
+after the worse-off skill's deltas held in reserve for saturation were judged and brought in."""
 
 from __future__ import annotations
 
@@ -87,14 +88,21 @@ def test_only_the_delta_that_helps_its_skill_without_hurting_others_gets_in(nano
     assert r.figures["worst_other_gain"] < -0.05 and r.figures["p_worse"] <= 0.1
 
 
+@pytest.fixture(scope="module")
+def forgetting(nano_model: Path, tmp_path_factory: pytest.TempPathFactory) -> DeltaInfo:
+    """A sort delta that makes the model forget reverse: 200 steps of supervised training on sort at 2e-3."""
+    torch.set_num_threads(1)
+    return sft_delta(nano_model, "sort", tmp_path_factory.mktemp("forgetting") / "sort.safetensors", steps=200,
+                     lr=2e-3, seed=1)
+
+
 def test_the_guard_takes_out_of_the_merge_a_delta_whose_cost_the_tolerance_let_through(
-        nano_model: Path, honest: DeltaInfo, tmp_path: Path) -> None:
+        nano_model: Path, honest: DeltaInfo, forgetting: DeltaInfo, tmp_path: Path) -> None:
     # A network that tolerates a 50-point cost per delta admits a sort delta that makes the model forget reverse;
     # merged with the honest reverse delta, reverse ends worse than the parent, so the guard takes the sort delta
     # out and the honest one is merged alone. Task arithmetic at lambda 1: the merge of one delta is that delta.
     torch.set_num_threads(1)
     base_hash = weights_hash(nano_model)
-    forgetting = sft_delta(nano_model, "sort", tmp_path / "sort.safetensors", steps=200, lr=2e-3, seed=1)
     spec = _spec(nano_model, screen=ScreenPolicy(eval_n=128, confidence=0.9, max_other_drop=0.5),
                  merge=MergePolicy(method="task_arithmetic", scale=1.0))
     ctx = _ctx(nano_model, tmp_path, spec)
@@ -112,6 +120,51 @@ def test_the_guard_takes_out_of_the_merge_a_delta_whose_cost_the_tolerance_let_t
     assert r.figures["harmful"] == 1.0  # alone it cost reverse significantly
     # the guard's second pass found the honest delta alone leaves no skill worse; alone it lifts reverse
     assert ctx.measured[good.manifest.blob]["reverse"].gain > 0
+
+
+def test_a_saturated_skills_delta_held_in_reserve_comes_back_when_the_merge_leaves_that_skill_worse(
+        nano_model: Path, honest: DeltaInfo, forgetting: DeltaInfo, tmp_path: Path) -> None:
+    # The sort delta that forgets reverse is in (tolerated) while the network counts reverse as saturated, so
+    # reverse's own delta is rejected for saturation and held in reserve. The merge of the sort delta leaves reverse
+    # worse: the guard judges the reserve first (the honest delta shows its gain) and merges it in, then, reverse
+    # still worse, takes the sort delta out. Without the reserve the round would end with nothing merged.
+    import msgspec
+
+    torch.set_num_threads(1)
+    base_hash = weights_hash(nano_model)
+    screen = ScreenPolicy(eval_n=128, confidence=0.9, max_other_drop=0.5)
+    spec = _spec(nano_model, screen=screen, merge=MergePolicy(method="task_arithmetic", scale=1.0))
+    saturated = msgspec.structs.replace(spec, screen=msgspec.structs.replace(screen, saturated_at=0.01))
+    values = dict(read_delta(honest.path).items())
+    flipped = encode_delta({k: -v for k, v in values.items()}, tmp_path / "flipped.safetensors", "dense_fp32")
+    strategy = RoundStrategy(steps=[Usefulness()])
+
+    def round_with(reverse_delta: Path, out: str) -> tuple[RoundContext, Candidate, Candidate, list[Candidate]]:
+        ctx = _ctx(nano_model, tmp_path, spec)
+        bad, rev = _candidate(forgetting.path, "sort", base_hash), _candidate(reverse_delta, "reverse", base_hash)
+        assert strategy.screen(ctx, [bad]) == [bad], [r.reason for _, r in ctx.rejected]
+        ctx.spec = saturated  # reverse's delta arrives where every skill counts as saturated
+        assert strategy.screen(ctx, [rev]) == [] and ctx.reserve == {"reverse": [rev]}
+        [(cand, r)] = ctx.rejected
+        assert cand is rev and "already solves reverse" in r.reason and rev.manifest.blob not in ctx.measured
+        return ctx, bad, rev, strategy.merge_guarded(ctx, [bad], tmp_path / out, tmp_path / f"{out}.safetensors")[1]
+
+    ctx, bad, rev, kept = round_with(honest.path, "merged")
+    assert kept == [rev] and ctx.reserve == {}
+    [(cand, r)] = ctx.rejected  # the saturation rejection is taken back; the sort delta is out at the guard
+    assert cand is bad and r.step == "guard" and "leaves reverse worse than the parent" in r.reason, r.reason
+    own = ctx.measured[rev.manifest.blob]["reverse"]  # judged like any delta: a significant gain of its own
+    assert own.gain > 0.05 and own.p_better <= 0.1 and rev.figures["gain"] == own.gain
+    assert weights_hash(tmp_path / "merged") != weights_hash(nano_model)
+
+    # a delta in reserve that fails the test (the honest one sign-flipped) stays out for saturation, as recorded;
+    # the guard goes on to take the sort delta out and the round merges nothing
+    ctx, bad, rev, kept = round_with(flipped.path, "merged-flipped")
+    assert kept == [] and ctx.reserve == {}
+    reasons = {id(c): r for c, r in ctx.rejected}
+    assert len(ctx.rejected) == 2 and "already solves reverse" in reasons[id(rev)].reason
+    assert reasons[id(bad)].step == "guard"
+    assert ctx.measured[rev.manifest.blob]["reverse"].gain < 0  # measured when it was judged
 
 
 def test_the_merge_takes_another_lambda_only_where_it_is_significantly_better(nano_model: Path, honest: DeltaInfo,

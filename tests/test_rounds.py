@@ -101,9 +101,14 @@ def test_two_looks_test_at_pococks_nominal_level_and_pool_their_tasks() -> None:
     harmful = {**weak, "arith": Paired(0, 60, 300, 0.4, 0.2)}
     assert not _undecided(harmful, "sort", level, 0.1, 0.15)  # already costs arith 20 points, significantly
     # on credit: an inconclusive delta that changed some task of its skill and is not significantly worse at it
-    assert _creditable(weak["sort"], 0.1) and _creditable(Paired(8, 12, 300, 0.5, 0.487), 0.1)
-    assert not _creditable(Paired(4, 14, 300, 0.5, 0.467), 0.1)  # its own skill worse, p = 0.015
-    assert not _creditable(Paired(0, 0, 300, 0.5, 0.5), 0.1)  # changes nothing: a free ride
+    assert _creditable(weak["sort"], 0.1, 0.02) and _creditable(Paired(8, 12, 300, 0.5, 0.487), 0.1, 0.02)
+    assert not _creditable(Paired(4, 14, 300, 0.5, 0.467), 0.1, 0.02)  # its own skill worse, p = 0.015
+    assert not _creditable(Paired(0, 0, 300, 0.5, 0.5), 0.1, 0.0)  # changes nothing: a free ride, floor or not
+    # the floor: 2% of 600 tasks is 12; a delta changing 9 cannot gain the 2 points credit pays for (12 can); the
+    # reserve's look (floor 0) takes any change
+    assert not _creditable(Paired(6, 3, 600, 0.88, 0.885), 0.1, 0.02)
+    assert _creditable(Paired(8, 4, 600, 0.88, 0.887), 0.1, 0.02)
+    assert _creditable(Paired(6, 3, 600, 0.88, 0.885), 0.1, 0.0) and _creditable(Paired(1, 0, 300, 0.98, 0.983), 0.1, 0.0)
 
 
 def test_credit_fills_in_only_for_a_skill_where_no_delta_showed_a_gain(base: Path, tmp_path: Path) -> None:

@@ -50,13 +50,14 @@ def costliest(accepted: list[Candidate], measured: dict[str, dict[str, Paired]],
 
 def from_reserve(ctx: RoundContext, skill: str) -> list[Candidate]:
     """`skill`'s deltas held in reserve for saturation that pass the usefulness test with saturation set aside
-    (shown gain, or credit: from a key with a record, no other skill hurt beyond the tolerance), taken out of the
+    (shown gain, or credit: from a key with a record, no other skill hurt beyond the tolerance, with no floor on the
+    tasks it changes, since repairing the skill is the gain), taken out of the
     reserve and the round's rejections; one that does not pass stays out for saturation, as first recorded."""
     reserve = ctx.reserve.pop(skill, [])
     if not reserve:
         return []
     mark = len(ctx.rejected)
-    back = Usefulness(saturation=False)(ctx, reserve)
+    back = Usefulness(reserve=True)(ctx, reserve)
     del ctx.rejected[mark:]
     for c in back:
         ctx.unreject(c)

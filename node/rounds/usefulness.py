@@ -17,7 +17,8 @@ Two rules a network file may turn on (`net init` and the demo do; README, "Satur
 - saturation: a skill the parent solves at `saturated_at` or better on the first look takes no delta this round,
   unless the merge leaves that skill worse than the parent: its deltas are held in reserve for the merge guard;
 - credit: a delta that stays inconclusive (not significantly better, not significantly worse, no other skill
-  hurt beyond `max_other_drop`) from a key with a record is merged on credit, earning its key nothing
+  hurt beyond `max_other_drop`) and changes at least `CREDIT_MIN_CHANGE` of its skill's tasks, from a key with a
+  record, is merged on credit, earning its key nothing
   (`reputation.py`), and only for a skill no delta of the round showed a gain for (averaged with one that did,
   it would only dilute it). Fresh keys still have to show significance; the merge guard still tests the merge.
 Evaluation figures are this coordinator's measurement on its hardware; they decide inclusion and are
@@ -36,14 +37,21 @@ from skillswarm.node.rounds.reputation import reputation_of, reputations
 
 log = logging.getLogger(__name__)
 
+# Credit pays for a gain too small for the test's tasks to show, 2 points or more (a late round's honest 2-4). A delta
+# that changes fewer than this share of its skill's tasks cannot gain that much, yet moves the merge as much as any:
+# a demo's last calc delta changed 9 of 600 calc tasks and cost arith 2.7 points of the merge (85% of arith's gain
+# kept instead of 97%; README, "Saturated skills' deltas in reserve, and a floor for credit"). It gets no credit.
+CREDIT_MIN_CHANGE = 0.02
+
 
 @dataclass
 class Usefulness:
     """Paired held-out evaluation of each candidate (see the module docstring)."""
 
     name: str = "usefulness"
-    # False: a saturated skill's delta is judged like any other (the merge guard's look at the deltas in reserve)
-    saturation: bool = True
+    # True: judging a saturated skill's deltas held in reserve (the merge guard, when the merge left that skill
+    # worse): saturation and the credit floor are set aside, since repairing the skill is then the gain to show
+    reserve: bool = False
 
     def __call__(self, ctx: RoundContext, candidates: list[Candidate]) -> list[Candidate]:
         policy = ctx.spec.screen
@@ -82,7 +90,7 @@ class Usefulness:
         out = []
         for c in candidates:
             parent_accuracy = sum(ok for _, ok in before[c.skill]) / len(before[c.skill])
-            if self.saturation and policy.saturated(parent_accuracy):
+            if not self.reserve and policy.saturated(parent_accuracy):
                 ctx.reject(c, self.name, f"the parent already solves {c.skill} ({parent_accuracy:.1%} of "
                                          f"{policy.eval_n} tasks, saturated at {policy.saturated_at:.0%}): there is "
                                          f"no gain left to show, so the round takes no delta for it",
@@ -112,7 +120,8 @@ class Usefulness:
             # harm is tested at the full alpha on every look: erring there costs honest deltas, not the network
             hurt = [(s, p) for s, p in others if -p.gain > policy.max_other_drop and p.p_worse <= alpha]
             significant = own.wins > own.losses and own.p_better <= level
-            if not significant and not hurt and table and _creditable(own, alpha) \
+            floor = 0.0 if self.reserve else CREDIT_MIN_CHANGE
+            if not significant and not hurt and table and _creditable(own, alpha, floor) \
                     and reputation_of(table, c.author).say > 0:
                 c.figures.pop("eval_s", None)  # a manifest carries 8 figures: this one says why it is in
                 c.figures["on_credit"] = 1.0
@@ -149,11 +158,11 @@ class Usefulness:
         return out
 
 
-def _creditable(own: Paired, alpha: float) -> bool:
-    """Whether a delta that did not show a gain may go in on credit: it changed some task of its skill (a delta that
-    changes nothing is a free ride) and its skill is not significantly worse (at `alpha`). What it costs the other
-    skills is judged as for any delta: `max_other_drop` alone, then the merge guard."""
-    return own.wins + own.losses > 0 and own.p_worse > alpha
+def _creditable(own: Paired, alpha: float, min_change: float) -> bool:
+    """Whether a delta that did not show a gain may go in on credit: it changed at least `min_change` of its skill's
+    tasks, and at least one (a delta that changes nothing is a free ride), and its skill is not significantly worse
+    (at `alpha`). What it costs the other skills is judged as for any delta: `max_other_drop` alone, then the guard."""
+    return own.wins + own.losses >= max(1.0, min_change * own.n) and own.p_worse > alpha
 
 
 def _undecided(after: dict[str, Paired], skill: str, level: float, alpha: float, max_other_drop: float) -> bool:
