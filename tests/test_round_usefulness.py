@@ -155,6 +155,7 @@ def test_a_saturated_skills_delta_held_in_reserve_comes_back_when_the_merge_leav
     assert cand is bad and r.step == "guard" and "leaves reverse worse than the parent" in r.reason, r.reason
     own = ctx.measured[rev.manifest.blob]["reverse"]  # judged like any delta: a significant gain of its own
     assert own.gain > 0.05 and own.p_better <= 0.1 and rev.figures["gain"] == own.gain
+    assert rev.weight == 0.5  # weighed by its key's reputation (a fresh key's), as the round's weighing would have
     assert weights_hash(tmp_path / "merged") != weights_hash(nano_model)
 
     # a delta in reserve that fails the test (the honest one sign-flipped) stays out for saturation, as recorded;

@@ -6,9 +6,10 @@
 - inspection.py  Inspect (file structure, finiteness, norm claim and bounds) and Consensus (direction)
 - paired.py      paired comparisons of two models on the same tasks: sign test, Pocock's level for two looks
 - usefulness.py  Usefulness: each candidate against the parent, paired, on tasks seeded after publication
-- reputation.py  keys' records across rounds: gate, order, weight, say in the consensus
-- guard.py       MergeGuard: the merged model against the parent; takes out the costliest delta of a worse skill
-- strategy.py    Weigh, the default steps, RoundStrategy (screen -> groups -> merge, guarded -> evaluate)
+- reputation.py  keys' records across rounds: gate, order, Weigh (a delta's weight), say in the consensus
+- guard.py       MergeGuard: the merged model against the parent; a worse skill's reserve first, else takes out
+                 the delta that cost it most
+- strategy.py    the default steps, RoundStrategy (screen -> groups -> merge, guarded -> evaluate)
 
 `coordinator.py` collects the round's manifests, runs a RoundStrategy, and commits and publishes.
 """

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from skillswarm.node.rounds.context import Candidate, RoundContext
 from skillswarm.node.rounds.paired import Paired
+from skillswarm.node.rounds.reputation import Weigh
 from skillswarm.node.rounds.usefulness import Usefulness
 
 log = logging.getLogger(__name__)
@@ -51,13 +52,13 @@ def costliest(accepted: list[Candidate], measured: dict[str, dict[str, Paired]],
 def from_reserve(ctx: RoundContext, skill: str) -> list[Candidate]:
     """`skill`'s deltas held in reserve for saturation that pass the usefulness test with saturation set aside
     (shown gain, or credit: from a key with a record, no other skill hurt beyond the tolerance, with no floor on the
-    tasks it changes, since repairing the skill is the gain), taken out of the
-    reserve and the round's rejections; one that does not pass stays out for saturation, as first recorded."""
+    tasks it changes, since repairing the skill is the gain), weighed by reputation and taken out of the reserve and
+    the round's rejections; one that does not pass stays out for saturation, as first recorded."""
     reserve = ctx.reserve.pop(skill, [])
     if not reserve:
         return []
     mark = len(ctx.rejected)
-    back = Usefulness(reserve=True)(ctx, reserve)
+    back = Weigh()(ctx, Usefulness(reserve=True)(ctx, reserve))  # saturation kept them from the round's weighing
     del ctx.rejected[mark:]
     for c in back:
         ctx.unreject(c)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+from skillswarm.node.rounds.context import Candidate, RoundContext
 from skillswarm.protocol.records import CheckpointManifest
 
 
@@ -54,3 +55,17 @@ def reputations(history: Iterable[CheckpointManifest], rounds: int) -> dict[str,
 def reputation_of(table: dict[str, Reputation], author: str) -> Reputation:
     """A key's reputation (a fresh one's if it has no record)."""
     return table.get(author, Reputation())
+
+
+@dataclass
+class Weigh:
+    """Each accepted delta's weight in its skill's aggregation: its key's reputation (0.5 for a new key), so
+    proven contributors count for more than fresh ones."""
+
+    name: str = "weigh"
+
+    def __call__(self, ctx: RoundContext, candidates: list[Candidate]) -> list[Candidate]:
+        table = reputations(ctx.history, ctx.spec.trust.reputation_rounds)
+        for c in candidates:
+            c.weight = round(reputation_of(table, c.author).score, 6)
+        return candidates

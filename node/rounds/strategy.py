@@ -17,26 +17,12 @@ from skillswarm.node.rounds.context import Candidate, RoundContext, Step
 from skillswarm.node.rounds.fetching import Fetch
 from skillswarm.node.rounds.guard import MergeGuard
 from skillswarm.node.rounds.inspection import Consensus, Inspect
-from skillswarm.node.rounds.reputation import reputation_of, reputations
+from skillswarm.node.rounds.reputation import Weigh
 from skillswarm.node.rounds.scale_search import Merge, ScaleSearch
 from skillswarm.node.rounds.usefulness import Usefulness
 from skillswarm.protocol.records import MergePolicy, SkillMetrics
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Weigh:
-    """Each accepted delta's weight in its skill's aggregation: its key's reputation (0.5 for a new key), so
-    proven contributors count for more than fresh ones."""
-
-    name: str = "weigh"
-
-    def __call__(self, ctx: RoundContext, candidates: list[Candidate]) -> list[Candidate]:
-        table = reputations(ctx.history, ctx.spec.trust.reputation_rounds)
-        for c in candidates:
-            c.weight = round(reputation_of(table, c.author).score, 6)
-        return candidates
 
 
 def default_steps() -> list[Step]:
