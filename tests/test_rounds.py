@@ -108,7 +108,8 @@ def test_two_looks_test_at_pococks_nominal_level_and_pool_their_tasks() -> None:
     # reserve's look (floor 0) takes any change
     assert not _creditable(Paired(6, 3, 600, 0.88, 0.885), 0.1, 0.02)
     assert _creditable(Paired(8, 4, 600, 0.88, 0.887), 0.1, 0.02)
-    assert _creditable(Paired(6, 3, 600, 0.88, 0.885), 0.1, 0.0) and _creditable(Paired(1, 0, 300, 0.98, 0.983), 0.1, 0.0)
+    assert _creditable(Paired(6, 3, 600, 0.88, 0.885), 0.1, 0.0)
+    assert _creditable(Paired(1, 0, 300, 0.98, 0.983), 0.1, 0.0)
 
 
 def test_credit_fills_in_only_for_a_skill_where_no_delta_showed_a_gain(base: Path, tmp_path: Path) -> None:
