@@ -67,7 +67,8 @@ class Usefulness:
         engine = HFEngine.load(ctx.base_dir)
         parent = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
         skills = list(ctx.spec.skills)
-        before = {s: scores(engine, s, policy.eval_n, ctx.eval_seed) for s in skills}
+        # the parent on the first look's tasks, measured once a round (the guard's look at a reserve comes later)
+        before = {s: ctx.parent_scores.get(s) or scores(engine, s, policy.eval_n, ctx.eval_seed) for s in skills}
         ctx.parent_scores.update(before)  # the merge guard pairs the merged model with the parent on these tasks
         second: dict[str, Scores] = {}  # the parent on the second look's tasks, when needed
         second_ok: list[bool] = []  # whether every skill's split has them (asked once a round, when first needed)
