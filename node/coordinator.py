@@ -35,7 +35,6 @@ from skillswarm.node.pull import find_checkpoint, local_base, pull, share
 from skillswarm.node.rl.config import EVAL_N
 from skillswarm.node.rounds import Candidate, RoundContext, RoundStrategy, evaluate_all
 from skillswarm.node.rounds.context import clean_figures
-from skillswarm.node.rounds.guard import reserve_weights
 from skillswarm.node.store import CheckpointStore, checkpoint_files, link_or_copy, with_trees
 from skillswarm.protocol.codec import encode_record
 from skillswarm.protocol.errors import RecordError, SkillswarmError, SpecError
@@ -59,7 +58,7 @@ MAX_DELTA_BYTES = 64 << 30
 KEEP_DELTA_ROUNDS = 8  # a merged round's deltas stay here (and served, for --verify) this many versions
 
 __all__ = ["Coordinator", "MergeOptions", "RoundReport", "RoundRejected", "Verification", "evaluate_all",
-           "merge_inputs", "skill_weights_of", "verify_checkpoint"]
+           "merge_inputs", "verify_checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -95,22 +94,10 @@ class RoundRejected(SkillswarmError):
         self.rejected, self.eval_seed = rejected, eval_seed
 
 
-def merge_params(policy: MergePolicy, seed: int, skill_weights: dict[str, float] | None = None) -> dict[str, float]:
-    """Everything needed to recompute a merge, as recorded in the manifest's `params`; with the weight of the skills
-    merged from a reserve (`reserve_weights`; which skills those are, each such delta's `reserve` figure says)."""
-    weights = set((skill_weights or {}).values())
-    if len(weights) > 1:
-        raise ValueError(f"a manifest records one weight for the skills merged from a reserve, got {sorted(weights)}")
+def merge_params(policy: MergePolicy, seed: int) -> dict[str, float]:
+    """Everything needed to recompute a merge, as recorded in the manifest's `params`."""
     return {"density": policy.density, "lambda": policy.scale, "trim_fraction": policy.trim_fraction,
-            "max_norm_ratio": policy.max_norm_ratio, "seed": float(seed),
-            **({"reserve_weight": weights.pop()} if weights else {})}
-
-
-def skill_weights_of(m: CheckpointManifest) -> dict[str, float]:
-    """The skills' weights in a published merge where not 1 (for `--verify` and re-merges): those merged from a
-    reserve, at the manifest's `reserve_weight`."""
-    w = m.params.get("reserve_weight")
-    return {} if w is None else {d.skill: float(w) for d in m.included if d.figures.get("reserve") == 1.0}
+            "max_norm_ratio": policy.max_norm_ratio, "seed": float(seed)}
 
 
 def policy_from_manifest(m: CheckpointManifest) -> tuple[MergePolicy, int]:
@@ -269,7 +256,7 @@ class Coordinator:
                 merged_delta=FileEntry(path="merged_delta.safetensors", sha256=delta_sha, size=self.blobs.size(delta_sha),
                                        tree=self.blobs.tree(delta_sha)),
                 method=self.spec.merge.method, aggregator=self.spec.merge.aggregator,
-                params=merge_params(ctx.merge_policy or self.spec.merge, current.version, reserve_weights(accepted)),
+                params=merge_params(ctx.merge_policy or self.spec.merge, current.version),
                 included=[DeltaRef(blob=c.manifest.blob, author=c.author, skill=c.skill, weight=c.weight,
                                    norm=c.norm or 0.0, figures=clean_figures(c.figures)) for c in accepted],
                 rejected=rejected[:128], omitted=ctx.omitted + max(0, len(rejected) - 128), eval_seed=ctx.eval_seed,
@@ -430,7 +417,6 @@ def verify_checkpoint(spec: NetworkSpec, dht, store: CheckpointStore, blobs: Blo
     staging = store.staging()
     try:
         result = merge_checkpoint(parent_dir, groups, policy, staging / "ckpt", seed=seed, progress=progress,
-                                  skill_weights=skill_weights_of(manifest),
                                   delta_out=staging / "merged.safetensors", delta_codec=dense_codec_for(parent_dir),
                                   base_hash=manifest.parent_hash, **(options or MergeOptions()).kwargs())
     finally:

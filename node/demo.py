@@ -307,7 +307,7 @@ def compare_methods(obs, spec: NetworkSpec, final: CheckpointManifest, cfg: Demo
     import shutil
 
     from skillswarm.merge import merge_checkpoint
-    from skillswarm.node.coordinator import evaluate_all, merge_inputs, skill_weights_of
+    from skillswarm.node.coordinator import evaluate_all, merge_inputs
 
     parent_dir, groups = merge_inputs(spec, obs.dht, obs.store, obs.blobs, final)
     out: dict[str, dict] = {}
@@ -318,8 +318,7 @@ def compare_methods(obs, spec: NetworkSpec, final: CheckpointManifest, cfg: Demo
         policy = parse_method(text, cfg)
         staging = obs.store.staging()
         try:
-            merge_checkpoint(parent_dir, groups, policy, staging / "ckpt", seed=final.parent_version or 0,
-                             skill_weights=skill_weights_of(final))
+            merge_checkpoint(parent_dir, groups, policy, staging / "ckpt", seed=final.parent_version or 0)
             metrics = evaluate_all(staging / "ckpt", list(cfg.skills), cfg.eval_n)
         finally:
             shutil.rmtree(staging, ignore_errors=True)

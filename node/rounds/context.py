@@ -66,7 +66,6 @@ class RoundContext:
     # the usefulness test's measurements, for the merge guard: the parent's scores on its first look's tasks per
     # skill, and each candidate's (by blob) paired figures on every skill
     parent_scores: dict[str, Scores] = field(default_factory=dict)
-    parent_second: dict[str, Scores] = field(default_factory=dict)  # on the second look's tasks, when first needed
     measured: dict[str, dict[str, Paired]] = field(default_factory=dict)
     # the last merge: the policy it used (the network's, at the lambda the search chose) and, when the search measured
     # it, its scores on the first look's tasks (the guard reuses them)
@@ -89,31 +88,6 @@ class RoundContext:
 
         engine = HFEngine.load(model_dir)
         return {s: scores(engine, s, self.spec.screen.eval_n, self.eval_seed) for s in self.spec.skills}
-
-    def look(self, model_dir: Path, skill: str, look: int) -> Scores:
-        """A model's (reward, correct) on one skill's tasks of look `look` (0: the first look's, 1: the second's)."""
-        from skillswarm.node.rl.engines.hf import HFEngine
-
-        return scores(HFEngine.load(model_dir), skill, self.spec.screen.eval_n, self.eval_seed, look)
-
-    def parent_second_look(self, skill: str) -> Scores:
-        """The parent's scores on `skill`'s second-look tasks: the usefulness test's, or measured now."""
-        if skill not in self.parent_second:
-            self.parent_second[skill] = self.look(self.base_dir, skill, 1)
-        return self.parent_second[skill]
-
-    @functools.cached_property
-    def has_second_look(self) -> bool:
-        """Whether every skill's held-out split has the 2 x `eval_n` tasks of two looks (a small plugin's may not)."""
-        from skillswarm.protocol.errors import SkillError
-        from skillswarm.skills.registry import get_skill
-
-        try:
-            for s in self.spec.skills:
-                get_skill(s).tasks.eval_tasks(2 * self.spec.screen.eval_n, self.eval_seed)
-        except SkillError:
-            return False
-        return True
 
     def parent_first_look(self) -> dict[str, Scores]:
         """The parent's first-look scores: the usefulness test's, or measured now when no usefulness test ran."""

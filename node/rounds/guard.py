@@ -11,8 +11,7 @@ is taken out and the rest merged again.
 A saturated skill's deltas sit out the round (usefulness.py) and cannot help it; when the merge leaves that very
 skill worse (in the demo, sort's deltas cost reverse at 98-99% 6-9 tasks of 300 in 5 of 6 runs, and were taken out),
 its deltas held in reserve are judged like any other delta first, and those that pass are merged in before anything
-is taken out. Such a skill is tested at the full alpha over two looks (`saturated_worse`): a merge wears it down a task
-or two in a hundred, which the shared level on one look misses. Each pass takes one delta out or brings one skill's reserve in, once: a round merges at most once per
+is taken out. Each pass takes one delta out or brings one skill's reserve in, once: a round merges at most once per
 delta and once per saturated skill.
 """
 
@@ -24,18 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from skillswarm.node.rounds.context import Candidate, RoundContext
-from skillswarm.node.rounds.paired import Paired, Scores, pocock_level
+from skillswarm.node.rounds.paired import Paired
 from skillswarm.node.rounds.reputation import Weigh
 from skillswarm.node.rounds.usefulness import Usefulness
 
 log = logging.getLogger(__name__)
-
-# A saturated skill's deltas brought back from the reserve count this much against the other skills' in the merge (TIES
-# elects signs by weighted mass and averages where skills agree, weighted): they repair a point or two, and at full
-# weight they halved a learning skill's vector where the two overlap. Replayed, four last rounds whose reserve came in
-# kept 86.5-89.3% of sort's gain at 1 and 91.4-93.8% at 0.5, reverse 95-99% (README, "A saturated skill looked at
-# twice"). Recorded in the manifest (`reserve_weight`, and each such delta's `reserve` figure) so a merge recomputes.
-RESERVE_WEIGHT = 0.5
 
 
 def worst_regression(merged: dict[str, Paired], level: float) -> tuple[str, Paired] | None:
@@ -43,23 +35,6 @@ def worst_regression(merged: dict[str, Paired], level: float) -> tuple[str, Pair
     the largest accuracy drop first; None when there is none."""
     worse = [(s, p) for s, p in merged.items() if p.losses > p.wins and p.p_worse <= level]
     return min(worse, key=lambda sp: (sp[1].gain, sp[1].p_worse, sp[0]), default=None)
-
-
-def saturated_worse(ctx: RoundContext, parent: dict[str, Scores], after: dict[str, Scores],
-                    merged_dir: Path) -> tuple[str, Paired] | None:
-    """A skill with deltas in reserve that the merge leaves worse than the parent at the network's full alpha, over
-    the usefulness test's two looks at Pocock's level (the second only when the first loses more tasks than it wins
-    without significance); None when there is none. A saturated skill is worn down a task or two in a hundred, which
-    300 tasks at the guard's shared level miss (README, "A saturated skill looked at twice"); the full alpha fits since
-    bringing a reserve in takes no delta out, and each delta brought in passes the usefulness test first."""
-    level = pocock_level(1.0 - ctx.spec.screen.confidence)
-    for skill in sorted(ctx.reserve):
-        p = Paired.compare(parent[skill], after[skill])
-        if p.losses > p.wins and p.p_worse > level and ctx.has_second_look:
-            p = p + Paired.compare(ctx.parent_second_look(skill), ctx.look(merged_dir, skill, 1))
-        if p.losses > p.wins and p.p_worse <= level:
-            return skill, p
-    return None
 
 
 def costliest(accepted: list[Candidate], measured: dict[str, dict[str, Paired]], skill: str) -> Candidate:
@@ -87,14 +62,7 @@ def from_reserve(ctx: RoundContext, skill: str) -> list[Candidate]:
     del ctx.rejected[mark:]
     for c in back:
         ctx.unreject(c)
-        c.figures = {"reserve": 1.0, **c.figures}  # first: a manifest carries 8 figures, and the merge reads this one
     return back
-
-
-def reserve_weights(accepted: list[Candidate]) -> dict[str, float]:
-    """Each skill's weight in the merge across skills where it is not 1: a skill merged from its reserve (all of a
-    saturated skill's deltas are held there) at `RESERVE_WEIGHT`."""
-    return {c.skill: RESERVE_WEIGHT for c in accepted if c.figures.get("reserve") == 1.0}
 
 
 @dataclass
@@ -115,22 +83,19 @@ class MergeGuard:
         parent = ctx.parent_first_look()
         after = ctx.merged_scores or ctx.first_look(merged_dir)  # the lambda search's measurement of this merge
         merged = {s: Paired.compare(parent[s], after[s]) for s in skills}
-        alpha = 1.0 - policy.confidence
-        worst = worst_regression(merged, alpha / len(skills))
-        worn = saturated_worse(ctx, parent, after, merged_dir)
         ctx.seconds[self.name] = ctx.seconds.get(self.name, 0.0) + time.monotonic() - t0
-        for found in (worn, worst):  # bring a worse skill's reserve in before taking anything out
-            if found is not None and (back := from_reserve(ctx, found[0])):
-                log.info("round v%d: the merge leaves %s worse than the parent (%d tasks worse, %d better of %d): its "
-                         "delta(s) held in reserve for saturation are judged and merged in: %s", ctx.parent.version,
-                         found[0], found[1].losses, found[1].wins, found[1].n,
-                         ", ".join(c.manifest.blob[:12] for c in back))
-                return [*accepted, *back]
-        if worst is None:
+        alpha = 1.0 - policy.confidence
+        found = worst_regression(merged, alpha / len(skills))
+        if found is None:
             log.info("round v%d: the merge of %d delta(s) leaves no skill worse (%s)", ctx.parent.version,
                      len(accepted), ", ".join(f"{s} {p.gain:+.1%}" for s, p in merged.items()))
             return accepted
-        skill, p = worst
+        skill, p = found
+        if back := from_reserve(ctx, skill):
+            log.info("round v%d: the merge leaves %s worse than the parent (%d tasks worse, %d better of %d): its "
+                     "delta(s) held in reserve for saturation are judged and merged in: %s", ctx.parent.version, skill,
+                     p.losses, p.wins, p.n, ", ".join(c.manifest.blob[:12] for c in back))
+            return [*accepted, *back]
         culprit = costliest(accepted, ctx.measured, skill)
         alone = ctx.measured.get(culprit.manifest.blob, {}).get(skill)
         alone_text = f"alone it changed {skill} by {alone.gain:+.1%}" if alone else "it was not measured alone"

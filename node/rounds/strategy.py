@@ -15,7 +15,7 @@ from typing import Any, Callable
 from skillswarm.node.rounds.admission import Admission, Caps
 from skillswarm.node.rounds.context import Candidate, RoundContext, Step
 from skillswarm.node.rounds.fetching import Fetch
-from skillswarm.node.rounds.guard import MergeGuard, reserve_weights
+from skillswarm.node.rounds.guard import MergeGuard
 from skillswarm.node.rounds.inspection import Consensus, Inspect
 from skillswarm.node.rounds.reputation import Weigh
 from skillswarm.node.rounds.scale_search import Merge, ScaleSearch
@@ -87,7 +87,6 @@ class RoundStrategy:
                        **options: Any) -> Any:
         """Merge `accepted` at the lambda the search picks (`ctx.merge_policy` says which), or the network's."""
         groups = self.groups(accepted)
-        options = {"skill_weights": reserve_weights(accepted), **options}
         if self.search is None:
             ctx.merge_policy, ctx.merged_scores = ctx.spec.merge, {}
             return self.merge(ctx, groups, out_dir, delta_out, **options)

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 
 from skillswarm.node.rounds.context import Candidate, RoundContext
-from skillswarm.node.rounds.paired import Paired, pocock_level, scores
+from skillswarm.node.rounds.paired import Paired, Scores, pocock_level, scores
 from skillswarm.node.rounds.reputation import reputation_of, reputations
 
 log = logging.getLogger(__name__)
@@ -70,13 +70,19 @@ class Usefulness:
         # the parent on the first look's tasks, measured once a round (the guard's look at a reserve comes later)
         before = {s: ctx.parent_scores.get(s) or scores(engine, s, policy.eval_n, ctx.eval_seed) for s in skills}
         ctx.parent_scores.update(before)  # the merge guard pairs the merged model with the parent on these tasks
-        second = ctx.parent_second  # the parent on the second look's tasks, when needed (the guard's too)
+        second: dict[str, Scores] = {}  # the parent on the second look's tasks, when needed
+        second_ok: list[bool] = []  # whether every skill's split has them (asked once a round, when first needed)
+
+        def second_look_possible() -> bool:
+            if not second_ok:
+                second_ok.append(_has_second_look(ctx, policy.eval_n))
+            return second_ok[0]
 
         def measure(look: int, changed: dict[str, torch.Tensor]) -> dict[str, Paired]:
             """The candidate (its tensors `changed`, loaded in the engine) against the parent on look `look`."""
-            if look == 1 and any(s not in second for s in skills):
+            if look == 1 and not second:
                 engine.load_state_dict({n: parent[n] for n in changed}, 0)
-                second.update({s: scores(engine, s, policy.eval_n, ctx.eval_seed, 1) for s in skills if s not in second})
+                second.update({s: scores(engine, s, policy.eval_n, ctx.eval_seed, 1) for s in skills})
                 engine.load_state_dict(changed, 0)
             base = before if look == 0 else second
             return {s: Paired.compare(base[s], scores(engine, s, policy.eval_n, ctx.eval_seed, look)) for s in skills}
@@ -99,7 +105,7 @@ class Usefulness:
             try:
                 after = measure(0, changed)
                 looks = 1
-                if _undecided(after, c.skill, level, alpha, policy.max_other_drop) and ctx.has_second_look:
+                if _undecided(after, c.skill, level, alpha, policy.max_other_drop) and second_look_possible():
                     after = {s: p + q for (s, p), q in zip(after.items(), measure(1, changed).values())}
                     looks = 2
             finally:
@@ -167,3 +173,15 @@ def _undecided(after: dict[str, Paired], skill: str, level: float, alpha: float,
     harmful = any(-p.gain > max_other_drop and p.p_worse <= alpha for s, p in after.items() if s != skill)
     return own.wins > own.losses and own.p_better > level and not harmful
 
+
+def _has_second_look(ctx: RoundContext, n: int) -> bool:
+    """Whether every skill's held-out split has 2 x `n` tasks (a small plugin split may not)."""
+    from skillswarm.protocol.errors import SkillError
+    from skillswarm.skills.registry import get_skill
+
+    try:
+        for s in ctx.spec.skills:
+            get_skill(s).tasks.eval_tasks(2 * n, ctx.eval_seed)
+    except SkillError:
+        return False
+    return True
