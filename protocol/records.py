@@ -256,8 +256,8 @@ class ScreenPolicy(_Part, kw_only=True):
     # has no gain left to show and costs the other skills (README, "Saturated skills and deltas on credit").
     saturated_at: Annotated[float, Meta(gt=0.0, le=1.0)] | UnsetType = UNSET
     # A delta whose own-skill test is inconclusive (not significantly better, not significantly worse), that costs
-    # no other skill beyond `max_other_drop`, that changes at least 2% of its skill's tasks (the usefulness test's
-    # CREDIT_MIN_CHANGE), from a key with a record (reputation above a fresh key's) is merged on credit: it earns
+    # no other skill beyond `max_other_drop`, that changes at least CREDIT_MIN_CHANGE of its skill's tasks
+    # (node/rounds/usefulness.py), from a key with a record (reputation above a fresh key's) is merged on credit: it earns
     # its key no reputation. A late round's honest gain is often too small to show on the
     # test's tasks, and each one left out is its skill's last gain lost. Fresh keys must show significance.
     # UNSET, as in every file written before these existed, encodes as nothing and keeps both rules off;
