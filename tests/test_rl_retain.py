@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from skillswarm.node.rl.anchor import MAX_TRIES, anchor_episodes
+from skillswarm.node.rl.anchor import MAX_TRIES, anchor_episodes, confidence
 from skillswarm.node.rl.engines.hf import HFEngine, load_model_dir
 from skillswarm.node.rl.groups import Group
 from skillswarm.node.rl.orchestrator import Orchestrator
@@ -53,6 +53,39 @@ def test_anchors_are_what_the_start_gets_right_on_the_other_skills(nano_model: P
     assert any(min(n, len(right[name])) > in_first_n[name] for name in right), in_first_n
     assert [r.token_ids for r in anchors] == [r.token_ids for name in ("sort", "reverse") for r in right[name][:n]]
     assert all(r.episode.skill != "arith" for r in anchors)  # never its own skill
+
+
+@pytest.mark.slow
+def test_fragile_anchors_are_the_least_confident_right_answers_of_every_task_played(nano_model: Path) -> None:
+    """With a fragile share, part of each skill's anchors are its first right answers and the rest the least
+    confident right answers of all MAX_TRIES * n tasks (the ones another skill's training flips first)."""
+    engine = HFEngine.load(nano_model, device="cpu")
+    n = 8
+    anchors = anchor_episodes(engine, ["sort", "reverse"], "arith", n, seed=3, fragile=0.5)
+    expected = []
+    for name in ("sort", "reverse"):
+        skill = get_skill(name)
+        tasks = skill.tasks.train_tasks(n * MAX_TRIES, 3)
+        right = [r for start in range(0, len(tasks), n)
+                 for r in run_episodes(engine, skill, tasks[start:start + n], 3 + start, temperature=0.0) if r.episode.correct]
+        rest = sorted(right[n // 2:], key=confidence)
+        expected += right[:n // 2] + rest[:n // 2]
+        if name == "reverse":  # the test model gets more than n right: a real choice, not the order they came in
+            assert len(right) > n and rest[:n // 2] != right[n // 2:n], len(right)
+    assert [r.token_ids for r in anchors] == [r.token_ids for r in expected]
+    with pytest.raises(ValueError, match="share"):
+        anchor_episodes(engine, ["sort"], "arith", n, seed=3, fragile=1.5)
+
+
+def test_confidence_is_the_least_likely_generated_token() -> None:
+    """Prompt and tool tokens (loss mask 0) do not count; an episode the policy generated nothing of is certain."""
+    from skillswarm.node.rl.rollout import Rollout
+    from skillswarm.skills.episode import Episode
+
+    episode = Episode(skill="sort", task_id="t", seed=0, messages=[], turns=[], outcome="ok", stop_reason="answer")
+    r = Rollout(episode, token_ids=[1, 2, 3, 4], loss_mask=[0, 1, 0, 1], logprobs=[-9.0, -0.2, -5.0, -0.7])
+    assert confidence(r) == -0.7
+    assert confidence(Rollout(episode, token_ids=[1], loss_mask=[0], logprobs=[-3.0])) == 0.0
 
 
 @pytest.fixture(scope="module")

@@ -134,6 +134,11 @@ class TrainConfig:
     retain: float = 2.0
     retain_skills: tuple[str, ...] = ()
     retain_n: int = 32
+    # The share of each skill's anchors that are its least confident right answers (anchor.confidence), picked from
+    # all anchor.MAX_TRIES * retain_n tasks; the rest are the first right answers. Random anchors of a skill solved 99
+    # times in 100 hold almost none of the answers a merge flips: one round of sort's training from a demo's v2 took
+    # reverse 98.7 -> 96.1-96.3% (n=1000) with 0, 97.8% with 0.5 (README, "Fragile anchors").
+    retain_fragile: float = 0.5
     retain_batch: int = 16  # retain episodes per optimizer step
     lr: float = 2e-4
     warmup_steps: int = 20  # linear lr warm-up (Adam's first updates are sign-sized)
@@ -198,6 +203,8 @@ class TrainConfig:
             problems.append("threads must be >= 1")
         if self.temperature <= 0:
             problems.append("temperature must be > 0 (RL samples)")
+        if not 0.0 <= self.retain_fragile <= 1.0:
+            problems.append("retain_fragile must be a share in [0, 1]")
         if not (self.model_dir / "config.json").is_file():
             problems.append(f"{self.model_dir} is not a model directory (no config.json); build one with `skillswarm base build`")
         problems += self._store_problems()

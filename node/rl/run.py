@@ -121,7 +121,8 @@ class _Run:
             from skillswarm.node.rl.anchor import anchor_episodes
 
             engine = self.eval_engine or HFEngine(copy.deepcopy(model), self.tokenizer, self.device)
-            self.trainer.set_retain(anchor_episodes(engine, cfg.retain_skills, cfg.skill, cfg.retain_n, cfg.seed))
+            self.trainer.set_retain(anchor_episodes(engine, cfg.retain_skills, cfg.skill, cfg.retain_n, cfg.seed,
+                                                         cfg.retain_fragile))
         self.state: dict[str, Any] = {"step": 0, "seconds": 0.0, "next_batch": 0, "accuracy_before": None}
         self.feed_counters: dict[str, Any] = {}
         checkpoint = load_checkpoint(self.run_dir) if resuming else None
