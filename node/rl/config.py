@@ -136,8 +136,8 @@ class TrainConfig:
     retain_n: int = 32
     # The share of each skill's anchors that are its least confident right answers (anchor.confidence), picked from
     # all anchor.MAX_TRIES * retain_n tasks; the rest are the first right answers. Random anchors of a skill solved 99
-    # times in 100 hold almost none of the answers a merge flips: one round of sort's training from a demo's v2 took
-    # reverse 98.7 -> 96.1-96.3% (n=1000) with 0, 97.8% with 0.5 (README, "Fragile anchors").
+    # times in 100 hold almost none of the answers a merge flips: in five demo rounds of sort's training, reverse lost
+    # 2.5-4.6 points with 0 and 0.6-1.8 with 0.5, the other skills about the same (README, "Fragile anchors").
     retain_fragile: float = 0.5
     retain_batch: int = 16  # retain episodes per optimizer step
     lr: float = 2e-4
