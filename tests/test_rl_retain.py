@@ -70,8 +70,8 @@ def test_fragile_anchors_are_the_least_confident_right_answers_of_every_task_pla
                  for r in run_episodes(engine, skill, tasks[start:start + n], 3 + start, temperature=0.0) if r.episode.correct]
         rest = sorted(right[n // 2:], key=confidence)
         expected += right[:n // 2] + rest[:n // 2]
-        if name == "reverse":  # the test model gets more than n right: a real choice, not the order they came in
-            assert len(right) > n and rest[:n // 2] != right[n // 2:n], len(right)
+        if len(right) > n:  # a real choice (reverse: 10 of 32 here): not simply the order they came in
+            assert rest[:n // 2] != right[n // 2:n]
     assert [r.token_ids for r in anchors] == [r.token_ids for r in expected]
     with pytest.raises(ValueError, match="share"):
         anchor_episodes(engine, ["sort"], "arith", n, seed=3, fragile=1.5)
