@@ -122,7 +122,7 @@ class _Run:
 
             engine = self.eval_engine or HFEngine(copy.deepcopy(model), self.tokenizer, self.device)
             self.trainer.set_retain(anchor_episodes(engine, cfg.retain_skills, cfg.skill, cfg.retain_n, cfg.seed,
-                                                         cfg.retain_fragile))
+                                                    cfg.retain_fragile))
         self.state: dict[str, Any] = {"step": 0, "seconds": 0.0, "next_batch": 0, "accuracy_before": None}
         self.feed_counters: dict[str, Any] = {}
         checkpoint = load_checkpoint(self.run_dir) if resuming else None
