@@ -54,11 +54,10 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
+    from remerge import held_out
     from rl_recipe import parse_variant
 
     from skillswarm.node.rl.config import TrainConfig
-    from skillswarm.node.rl.engines.hf import HFEngine
-    from skillswarm.node.rl.evaluation import evaluate
     from skillswarm.node.rl.run import train
 
     settings, skills = round_settings(args.run, args.skill, args.version)
@@ -68,8 +67,7 @@ def main() -> int:
         raise SystemExit(f"--variant: {', '.join(bad)} is not a TrainConfig field")
 
     def accuracies(model: Path) -> dict[str, float]:
-        engine = HFEngine.load(model)
-        return {k: evaluate(engine, k, n=args.n).accuracy for k in skills}
+        return held_out(model, skills, args.n)["accuracy"]
 
     start = accuracies(Path(settings["model_dir"]))
     rows = []
