@@ -5,7 +5,8 @@ Every delta the round received (included or rejected) is screened again on the r
 eval seed, by the network's usefulness test and merge (lambda search and guard) under `--screen-eval-n` and
 `--confidence`, or merged without any screening (`--accept-all`); `--leave-out SKILL` drops a skill's delta first;
 `--new-rules` screens with a new network's saturation and credit rules (`--no-credit`: without credit), `--density`
-merges at another density; `--version V` replays the round that made vV instead of the last.
+merges at another density; `--repair-layers N` judges and merges a saturated skill's deltas as repairs of the first
+N layers; `--version V` replays the round that made vV instead of the last.
 The merged model is evaluated on the first `--n` held-out tasks per skill, and retention = (merged - base) /
 (specialist - base) uses the base and last-round specialist the demo re-measured on those same tasks (report.json).
 With the run's own settings it reproduces the run's final checkpoint, so a coordinator-side change can be judged on
@@ -39,7 +40,8 @@ class Published:
 
 def replay(run: Path, eval_n: int | None, confidence: float | None, accept_all: bool, n: int | None,
            leave_out: frozenset[str] = frozenset(), new_rules: bool = False,
-           density: float | None = None, no_credit: bool = False, version: int | None = None) -> dict[str, Any]:
+           density: float | None = None, no_credit: bool = False, version: int | None = None,
+           repair_layers: int | None = None) -> dict[str, Any]:
     """The round of `run` that made `version` (default: the last) screened and merged again; per skill the merged
     accuracy on the first `n` held-out tasks (default: as many as the demo re-measured) and its retention (against
     the last round's specialist, so meaningful for the last round only)."""
@@ -67,7 +69,10 @@ def replay(run: Path, eval_n: int | None, confidence: float | None, accept_all: 
                                                      if v is not None})
     if new_rules:  # what a network written today screens with: saturation and credit on
         fresh = ScreenPolicy.for_new_network()
-        screen = msgspec.structs.replace(screen, saturated_at=fresh.saturated_at, on_credit=fresh.on_credit)
+        screen = msgspec.structs.replace(screen, saturated_at=fresh.saturated_at, on_credit=fresh.on_credit,
+                                         repair_layers=fresh.repair_layers)
+    if repair_layers is not None:  # a saturated skill's deltas judged and merged as repairs of their first layers
+        screen = msgspec.structs.replace(screen, repair_layers=repair_layers)
     if no_credit:  # an inconclusive delta is rejected whatever its key's record
         screen = msgspec.structs.replace(screen, on_credit=msgspec.UNSET)
     spec = msgspec.structs.replace(spec, screen=screen, merge=msgspec.structs.replace(
@@ -117,6 +122,8 @@ def main() -> int:
                         help="screen with a new network's saturation and credit rules (a run's file may predate them)")
     parser.add_argument("--density", type=float, default=None, help="the merge's density (default: the run's)")
     parser.add_argument("--no-credit", action="store_true", help="screen without the credit rule")
+    parser.add_argument("--repair-layers", type=int, default=None,
+                        help="judge and merge a saturated skill's deltas as repairs of their first N layers")
     parser.add_argument("--leave-out", action="append", default=[], help="a skill whose delta is not replayed (repeatable)")
     parser.add_argument("--version", type=int, default=None,
                         help="replay the round that made this version (default: the last; retention is then against "
@@ -132,11 +139,12 @@ def main() -> int:
     rows = []
     for run in args.run:
         rows.append(replay(run, args.screen_eval_n, args.confidence, args.accept_all, args.n, frozenset(args.leave_out),
-                           args.new_rules, args.density, args.no_credit, args.version))
+                           args.new_rules, args.density, args.no_credit, args.version, args.repair_layers))
         print(f"{run.name} done", file=sys.stderr)
     passed = sum(1 for r in rows if r["min_retention"] is not None and r["min_retention"] >= 0.9)
     out = {"screen_eval_n": args.screen_eval_n, "confidence": args.confidence, "accept_all": args.accept_all,
            "new_rules": args.new_rules, "no_credit": args.no_credit, "density": args.density,
+           "repair_layers": args.repair_layers,
            "leave_out": sorted(args.leave_out),
            "rows": rows, "runs_keeping_90pct_of_every_gain": passed}
     if args.json:

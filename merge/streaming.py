@@ -33,6 +33,7 @@ from skillswarm.merge.methods.model_stock import model_stock_rows, model_stock_s
 from skillswarm.merge.methods.slerp import slerp_coefficients, slerp_rows, slerp_stats
 from skillswarm.merge.methods.sparsify import rng_key
 from skillswarm.merge.pipeline import CHUNK_ELEMS, MergeResult, apply_rows, check_delta_fits, is_float, run_pipeline
+from skillswarm.merge.recipe_params import layer_index
 from skillswarm.merge.tensorfile import numel
 from skillswarm.protocol.errors import MergeError
 from skillswarm.protocol.records import AGGREGATORS, MergePolicy
@@ -91,6 +92,21 @@ class _ModelDelta:
 
     def close(self) -> None:
         self.tuned.close()
+
+
+class _FirstLayers:
+    """A source seen through its first `layers` decoder layers: every other tensor reads as unchanged (no rows),
+    so in TIES it neither votes nor dilutes, and the merge there is that of the other groups alone."""
+
+    def __init__(self, src: Any, layers: int) -> None:
+        self.src, self.layers, self.path = src, layers, src.path
+
+    def rows(self, name: str, r0: int, r1: int) -> torch.Tensor | None:
+        i = layer_index(name)
+        return self.src.rows(name, r0, r1) if i is not None and i < self.layers else None
+
+    def close(self) -> None:
+        self.src.close()
 
 
 @dataclass
@@ -313,8 +329,8 @@ def _run(base_dir: Path | str, plan: list[tuple[str, list[tuple[Path | str, floa
          spec: MergeSpec, out_dir: Path | str, *, seed: int, delta_out: Path | str | None, delta_codec: str,
          base_hash: str | None, out_dtype: torch.dtype | None, max_shard_bytes: int, overwrite: bool,
          workers: int | None, chunk_elems: int, progress: bool,
-         tensor_params: Callable[[str], TensorParams] | None = None, tokenizer_from: Path | str | None = None
-         ) -> MergeResult:
+         tensor_params: Callable[[str], TensorParams] | None = None, tokenizer_from: Path | str | None = None,
+         first_layers: Mapping[str, int] | None = None) -> MergeResult:
     if delta_codec not in DENSE_DTYPES:
         raise MergeError(f"the merged delta is stored dense; delta_codec must be one of {', '.join(DENSE_DTYPES)}")
     if not plan or any(not members for _, members, _, _ in plan):
@@ -327,8 +343,9 @@ def _run(base_dir: Path | str, plan: list[tuple[str, list[tuple[Path | str, floa
         for key, members, weight, density in plan:
             sources = []
             for path, _ in members:
-                sources.append(_open_source(base, path))
-                opened.append(sources[-1])
+                opened.append(_open_source(base, path))
+                layers = (first_layers or {}).get(key)
+                sources.append(opened[-1] if layers is None else _FirstLayers(opened[-1], layers))
             groups.append(_Group(key, sources, [float(w) for _, w in members], float(weight), density))
         engine = _MergeEngine(base, groups, spec, seed, delta_codec, out_dtype, chunk_elems, tensor_params)
         return run_pipeline(engine, out_dir, delta_out=delta_out, delta_codec=delta_codec, delta_base_hash=base_hash,
@@ -347,18 +364,22 @@ def merge_checkpoint(base_dir: Path | str, groups: Mapping[str, Sequence[tuple[P
                      delta_codec: str = "dense_fp32", base_hash: str | None = None,
                      out_dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                      overwrite: bool = False, workers: int | None = None, chunk_elems: int = CHUNK_ELEMS,
-                     progress: bool = True) -> MergeResult:
+                     progress: bool = True, first_layers: Mapping[str, int] | None = None) -> MergeResult:
     """A coordinator's round: `groups` maps each skill to its screened deltas [(path, weight)], which the
     policy's aggregator combines per skill; the policy's method then merges the skills (each weighted by
     `skill_weights`, default 1) onto `base_dir`. Writes the checkpoint to `out_dir` (atomically) and, with
     `delta_out`, the merged delta (dense in `delta_codec`, recorded against `base_hash`) that turns the base
-    into it: `apply_delta(base_dir, delta_out, ...)` reproduces the checkpoint bit for bit."""
+    into it: `apply_delta(base_dir, delta_out, ...)` reproduces the checkpoint bit for bit. A skill in
+    `first_layers` (skill -> N) has its deltas merged in the model's first N decoder layers only (a saturated
+    skill's repair)."""
+    if any(n < 1 for n in (first_layers or {}).values()):
+        raise MergeError("first_layers: a skill's deltas need at least one layer to change")
     spec = policy if isinstance(policy, MergeSpec) else MergeSpec.from_policy(policy)
     plan = [(skill, list(members), float((skill_weights or {}).get(skill, 1.0)), None)
             for skill, members in sorted(groups.items())]
     return _run(base_dir, plan, spec, out_dir, seed=seed, delta_out=delta_out, delta_codec=delta_codec,
                 base_hash=base_hash, out_dtype=out_dtype, max_shard_bytes=max_shard_bytes, overwrite=overwrite,
-                workers=workers, chunk_elems=chunk_elems, progress=progress)
+                workers=workers, chunk_elems=chunk_elems, progress=progress, first_layers=first_layers)
 
 
 def _plain(inputs: Sequence[MergeInput | Path | str]) -> list[tuple[str, list[tuple[Path | str, float]], float, float | None]]:

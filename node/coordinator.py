@@ -34,7 +34,7 @@ from skillswarm.node import failpoints
 from skillswarm.node.pull import find_checkpoint, local_base, pull, share
 from skillswarm.node.rl.config import EVAL_N
 from skillswarm.node.rounds import Candidate, RoundContext, RoundStrategy, evaluate_all
-from skillswarm.node.rounds.context import clean_figures
+from skillswarm.node.rounds.context import clean_figures, first_layers
 from skillswarm.node.store import CheckpointStore, checkpoint_files, link_or_copy, with_trees
 from skillswarm.protocol.codec import encode_record
 from skillswarm.protocol.errors import RecordError, SkillswarmError, SpecError
@@ -417,6 +417,7 @@ def verify_checkpoint(spec: NetworkSpec, dht, store: CheckpointStore, blobs: Blo
     staging = store.staging()
     try:
         result = merge_checkpoint(parent_dir, groups, policy, staging / "ckpt", seed=seed, progress=progress,
+                                  first_layers=first_layers((d.skill, d.figures) for d in manifest.included),
                                   delta_out=staging / "merged.safetensors", delta_codec=dense_codec_for(parent_dir),
                                   base_hash=manifest.parent_hash, **(options or MergeOptions()).kwargs())
     finally:

@@ -308,6 +308,7 @@ def compare_methods(obs, spec: NetworkSpec, final: CheckpointManifest, cfg: Demo
 
     from skillswarm.merge import merge_checkpoint
     from skillswarm.node.coordinator import evaluate_all, merge_inputs
+    from skillswarm.node.rounds.context import first_layers
 
     parent_dir, groups = merge_inputs(spec, obs.dht, obs.store, obs.blobs, final)
     out: dict[str, dict] = {}
@@ -318,7 +319,8 @@ def compare_methods(obs, spec: NetworkSpec, final: CheckpointManifest, cfg: Demo
         policy = parse_method(text, cfg)
         staging = obs.store.staging()
         try:
-            merge_checkpoint(parent_dir, groups, policy, staging / "ckpt", seed=final.parent_version or 0)
+            merge_checkpoint(parent_dir, groups, policy, staging / "ckpt", seed=final.parent_version or 0,
+                             first_layers=first_layers((d.skill, d.figures) for d in final.included))
             metrics = evaluate_all(staging / "ckpt", list(cfg.skills), cfg.eval_n)
         finally:
             shutil.rmtree(staging, ignore_errors=True)

@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 
 from skillswarm.protocol.identity import fingerprint
-from skillswarm.protocol.records import NetworkSpec
+from skillswarm.protocol.records import LAYERS_FIGURE, NetworkSpec
 
 
 def peers_view(dht: Any, spec: NetworkSpec) -> dict[str, Any]:
@@ -72,6 +72,11 @@ def deltas_view(dht: Any, spec: NetworkSpec, version: int | None = None) -> dict
         # merged on credit: inconclusive on its skill, from a key with a record (node/rounds/usefulness.py)
         reasons.update({d.blob: "on credit: its gain was not significant" for d in (m.included if m else [])
                         if d.figures.get("on_credit", 0.0) > 0})
+        # a saturated skill's repair: merged in its first layers only (node/rounds/usefulness.py)
+        for d in (m.included if m else []):
+            if d.figures.get(LAYERS_FIGURE, 0.0) > 0:
+                reasons[d.blob] = ", ".join(filter(None, [f"a repair of its first {int(d.figures[LAYERS_FIGURE])} "
+                                                          "layer(s), merged there only", reasons.get(d.blob)]))
         for d in dht.get_deltas(v):
             verdict = "pending" if m is None else "included" if d.blob in included else "rejected" if d.blob in reasons else "late"
             out.append({"base_version": v, "skill": d.skill, "author": fingerprint(d.author), "blob": d.blob,

@@ -122,6 +122,11 @@ class FileEntry(_Part, kw_only=True, omit_defaults=True):
     tree: Sha256 | None = None
 
 
+# The one figure a merge reads: a delta with `layers` N (a saturated skill's repair, ScreenPolicy.repair_layers) was
+# merged in the model's first N decoder layers only, and `--verify` recomputes it so.
+LAYERS_FIGURE = "layers"
+
+
 class DeltaRef(_Part, kw_only=True):
     """A delta a merge used, the weight it got, and the screening figures that let it in (norm, gain, ...)."""
 
@@ -263,11 +268,18 @@ class ScreenPolicy(_Part, kw_only=True):
     # UNSET, as in every file written before these existed, encodes as nothing and keeps both rules off;
     # `net init` and the demo write them on (`ScreenPolicy.for_new_network`).
     on_credit: bool | UnsetType = UNSET
+    # With saturation: a saturated skill's delta is judged as a repair of its first `repair_layers` decoder layers
+    # (with credit's floor set aside) and, when it passes, merged there only, instead of held in reserve. In the demo
+    # the first of three layers held 89% of what a saturated reverse's whole delta repaired, at 31% of its cost to
+    # sort (README, "A saturated skill repaired in its first layer"). UNSET (as in older files): the reserve.
+    repair_layers: Annotated[int, Meta(ge=1, le=1024)] | UnsetType = UNSET
 
     @classmethod
     def for_new_network(cls, **overrides: Any) -> "ScreenPolicy":
-        """The policy `net init` and the demo write: the defaults with the saturation and credit rules on."""
-        return cls(**{"saturated_at": DEFAULT_SATURATED_AT, "on_credit": True, **overrides})
+        """The policy `net init` and the demo write: the defaults with the saturation (repairs in the first layer)
+        and credit rules on."""
+        return cls(**{"saturated_at": DEFAULT_SATURATED_AT, "on_credit": True, "repair_layers": DEFAULT_REPAIR_LAYERS,
+                      **overrides})
 
     def saturated(self, accuracy: float) -> bool:
         """Whether a skill at `accuracy` on the parent takes no delta (never when `saturated_at` is unset)."""
@@ -276,6 +288,8 @@ class ScreenPolicy(_Part, kw_only=True):
 
 # reverse's parent at 98-100% merged deltas that gained nothing and cost sort 1.5-2.0 points (bench/replay_round.py)
 DEFAULT_SATURATED_AT = 0.98
+# the first of the nano model's three layers held 89% of a saturated reverse's repair at 31% of its cost to sort
+DEFAULT_REPAIR_LAYERS = 1
 
 
 # ---- records --------------------------------------------------------------------------------------

@@ -155,3 +155,39 @@ def test_a_round_whose_every_online_worker_was_rejected_ends_with_the_weights_un
     assert found.weights_hash == v0.weights_hash
     check = verify_checkpoint(swarm.spec, swarm.dht, store, swarm.blobs, v1)
     assert check.match and check.merged_delta is None
+
+
+def test_verify_recomputes_a_delta_merged_as_a_repair_of_its_first_layers(swarm: Swarm) -> None:
+    """A manifest whose delta carries the `layers` figure (a saturated skill's repair) is recomputed in those layers
+    only: the checkpoint merged that way verifies, and the same figure on the round that merged it whole does not."""
+    import msgspec
+
+    from skillswarm.merge import merge_checkpoint
+    from skillswarm.merge.deltas import dense_codec_for
+    from skillswarm.merge.recipe_params import layer_index
+    from skillswarm.node.coordinator import merge_inputs, policy_from_manifest, verify_checkpoint
+    from skillswarm.protocol.records import LAYERS_FIGURE
+
+    swarm.publish(swarm.worker(online=True), seed=6)
+    swarm.thread.join(120)
+    store = swarm.coordinator.store
+    v1 = store.manifest(1)  # the delta merged whole (this network runs no usefulness test)
+    parent_dir, groups = merge_inputs(swarm.spec, swarm.dht, store, swarm.blobs, v1)
+    policy, seed = policy_from_manifest(v1)
+    out = swarm.tmp / "repair"
+    result = merge_checkpoint(parent_dir, groups, policy, out, seed=seed, delta_out=swarm.tmp / "repair.safetensors",
+                              delta_codec=dense_codec_for(parent_dir), base_hash=v1.parent_hash, progress=False,
+                              first_layers={"sort": 1})
+    merged, parent = load_file(str(out / "model.safetensors")), load_file(str(parent_dir / "model.safetensors"))
+    changed = {k for k in parent if not torch.equal(merged[k], parent[k])}
+    assert changed and all(layer_index(k) == 0 for k in changed)
+
+    [ref] = v1.included
+    as_repair = [msgspec.structs.replace(ref, figures={**ref.figures, LAYERS_FIGURE: 1.0})]
+    assert v1.merged_delta is not None
+    repaired = msgspec.structs.replace(v1, included=as_repair, weights_hash=result.weights_hash,
+                                       merged_delta=msgspec.structs.replace(v1.merged_delta, sha256=result.delta.sha256))
+    assert verify_checkpoint(swarm.spec, swarm.dht, store, swarm.blobs, repaired).match
+    assert verify_checkpoint(swarm.spec, swarm.dht, store, swarm.blobs, v1).match
+    assert not verify_checkpoint(swarm.spec, swarm.dht, store, swarm.blobs,
+                                 msgspec.structs.replace(v1, included=as_repair)).match

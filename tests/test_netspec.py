@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from skillswarm.protocol.errors import SpecError
 from skillswarm.protocol.hashing import weights_hash
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.netspec import load_spec, parse_spec, save_spec, spec_to_toml
-from skillswarm.protocol.records import DEFAULT_LAMBDA_SEARCH, DEFAULT_SATURATED_AT, MIN_LR_FACTOR
+from skillswarm.protocol.records import DEFAULT_LAMBDA_SEARCH, DEFAULT_REPAIR_LAYERS, DEFAULT_SATURATED_AT, MIN_LR_FACTOR
 from tests.conftest import run_cli
 
 
@@ -33,9 +34,10 @@ def test_net_init_writes_a_valid_signed_spec(tmp_path: Path, tiny_model_dir: Pat
     assert spec.round.lr_factor(7) == 1.0 and "lr_decay" not in out.read_text()  # a constant learning rate unless asked
     # a new network screens with the saturation and credit rules on
     assert spec.screen.saturated_at == DEFAULT_SATURATED_AT and spec.screen.on_credit is True
+    assert spec.screen.repair_layers == DEFAULT_REPAIR_LAYERS  # a saturated skill's delta merges as a repair
     assert spec.screen.saturated(DEFAULT_SATURATED_AT) and not spec.screen.saturated(DEFAULT_SATURATED_AT - 0.01)
     shown = run_cli("net", "show", str(out)).stdout
-    assert "no delta for a skill at >= 98%" in shown and "merged on credit" in shown
+    assert "no delta for a skill at >= 98% but a repair of its first 1 layer(s)" in shown and "merged on credit" in shown
     only = tmp_path / "only.toml"
     run_cli("net", "init", "--name", "alpha", "--model", str(tiny_model_dir), "--skill", "arith", "--lambda", "0.7",
             "--lambda-search", "0.7", "--lr-decay", "0.5", "--out", str(only))
@@ -145,6 +147,7 @@ def test_plugin_versions_are_signed_and_old_files_still_verify(tmp_path: Path) -
     assert b"lambda_search" not in canonical_bytes(old) and old.merge.scales() == [1.0]  # it searches no lambda
     assert b"lr_decay" not in canonical_bytes(old) and old.round.lr_factor(9) == 1.0  # nor decays the learning rate
     assert b"saturated_at" not in canonical_bytes(old) and b"on_credit" not in canonical_bytes(old)
+    assert b"repair_layers" not in canonical_bytes(old) and old.screen.repair_layers is msgspec.UNSET
     assert not old.screen.saturated(1.0) and old.screen.on_credit is not True  # nor screens by the newer rules
     assert load_spec(save_spec(old, tmp_path / "old.toml")) == old and "skill_versions" not in spec_to_toml(old)
 

@@ -163,7 +163,9 @@ def show(path: Annotated[Optional[Path], typer.Argument(help="Network file (the 
         ["screening", "usefulness test off" if not spec.screen.eval_n else
          f"{spec.screen.eval_n} held-out tasks per skill, {spec.screen.confidence:.0%} confidence, "
          f"others may lose <= {spec.screen.max_other_drop:.0%}"
-         + ("" if spec.screen.saturated_at is msgspec.UNSET else f"; no delta for a skill at >= {spec.screen.saturated_at:.0%}")
+         + ("" if spec.screen.saturated_at is msgspec.UNSET else f"; no delta for a skill at >= {spec.screen.saturated_at:.0%}"
+            + ("" if spec.screen.repair_layers is msgspec.UNSET
+               else f" but a repair of its first {spec.screen.repair_layers} layer(s)"))
          + ("; inconclusive deltas of keys with a record merged on credit" if spec.screen.on_credit is True else "")],
         ["signed by", fingerprint(spec.author) if spec.signature else "(unsigned)"],
     ]

@@ -13,11 +13,12 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Iterable, Mapping, Protocol
 
 from skillswarm.node.rounds.paired import Paired, Scores, scores
 from skillswarm.protocol.transport.blobs import BlobStore
-from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, MergePolicy, NetworkSpec, Rejection
+from skillswarm.protocol.records import (LAYERS_FIGURE, CheckpointManifest, DeltaManifest, MergePolicy, NetworkSpec,
+                                         Rejection)
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +112,17 @@ class RoundContext:
         self.rejected = [(c, r) for c, r in self.rejected if c is not cand]
 
 
+def first_layers(deltas: Iterable[tuple[str, Mapping[str, float]]]) -> dict[str, int]:
+    """skill -> N for the skills whose deltas (skill, figures) are merged in their first N layers only."""
+    return {skill: int(figures[LAYERS_FIGURE]) for skill, figures in deltas if LAYERS_FIGURE in figures}
+
+
 def clean_figures(figures: dict[str, float]) -> dict[str, float]:
-    """The first 8 finite figures, rounded to 6 significant digits (what a manifest can carry)."""
+    """The first 8 finite figures (`layers`, which the merge reads, first), rounded to 6 significant digits (what a
+    manifest can carry)."""
     out: dict[str, float] = {}
-    for k, v in figures.items():
+    ordered = sorted(figures.items(), key=lambda kv: kv[0] != LAYERS_FIGURE)
+    for k, v in ordered:
         if len(out) < 8 and _FIGURE_NAME.match(k) and math.isfinite(v) and abs(v) <= 1e12:
             out[k] = float(f"{v:.6g}")
     return out

@@ -12,7 +12,8 @@ A saturated skill's deltas sit out the round (usefulness.py) and cannot help it;
 skill worse (in the demo, sort's deltas cost reverse at 98-99% 6-9 tasks of 300 in 5 of 6 runs, and were taken out),
 its deltas held in reserve are judged like any other delta first, and those that pass are merged in before anything
 is taken out. Each pass takes one delta out or brings one skill's reserve in, once: a round merges at most once per
-delta and once per saturated skill.
+delta and once per saturated skill. A network with `repair_layers` has no reserve: its saturated skills' deltas were
+judged, and merged, as repairs of the first layers (usefulness.py).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from skillswarm.node.rounds.admission import Admission, Caps
-from skillswarm.node.rounds.context import Candidate, RoundContext, Step
+from skillswarm.node.rounds.context import Candidate, RoundContext, Step, first_layers
 from skillswarm.node.rounds.fetching import Fetch
 from skillswarm.node.rounds.guard import MergeGuard
 from skillswarm.node.rounds.inspection import Consensus, Inspect
@@ -87,6 +87,7 @@ class RoundStrategy:
                        **options: Any) -> Any:
         """Merge `accepted` at the lambda the search picks (`ctx.merge_policy` says which), or the network's."""
         groups = self.groups(accepted)
+        options = {"first_layers": first_layers((c.skill, c.figures) for c in accepted), **options}
         if self.search is None:
             ctx.merge_policy, ctx.merged_scores = ctx.spec.merge, {}
             return self.merge(ctx, groups, out_dir, delta_out, **options)

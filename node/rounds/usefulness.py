@@ -16,6 +16,8 @@ nominal level, which keeps the chance that a delta with no effect passes at 1 - 
 Two rules a network file may turn on (`net init` and the demo do; README, "Saturated skills and deltas on credit"):
 - saturation: a skill the parent solves at `saturated_at` or better on the first look takes no delta this round,
   unless the merge leaves that skill worse than the parent: its deltas are held in reserve for the merge guard;
+  with `repair_layers` N, its deltas are instead judged as repairs of the model's first N decoder layers (the rest
+  of each delta set aside, no floor on the tasks changed) and those that pass are merged there only;
 - credit: a delta that stays inconclusive (not significantly better, not significantly worse, no other skill
   hurt beyond `max_other_drop`) and changes at least `CREDIT_MIN_CHANGE` of its skill's tasks, from a key with a
   record, is merged on credit, earning its key nothing
@@ -31,9 +33,13 @@ import logging
 import time
 from dataclasses import dataclass
 
+from msgspec import UNSET
+
+from skillswarm.merge.recipe_params import layer_index
 from skillswarm.node.rounds.context import Candidate, RoundContext
 from skillswarm.node.rounds.paired import Paired, Scores, pocock_level, scores
 from skillswarm.node.rounds.reputation import reputation_of, reputations
+from skillswarm.protocol.records import LAYERS_FIGURE
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +97,9 @@ class Usefulness:
         out = []
         for c in candidates:
             parent_accuracy = sum(ok for _, ok in before[c.skill]) / len(before[c.skill])
-            if not self.reserve and policy.saturated(parent_accuracy):
+            saturated = not self.reserve and policy.saturated(parent_accuracy)
+            layers = policy.repair_layers if saturated and policy.repair_layers is not UNSET else None
+            if saturated and layers is None:
                 ctx.reject(c, self.name, f"the parent already solves {c.skill} ({parent_accuracy:.1%} of "
                                          f"{policy.eval_n} tasks, saturated at {policy.saturated_at:.0%}): there is "
                                          f"no gain left to show, so the round takes no delta for it",
@@ -100,7 +108,8 @@ class Usefulness:
                 continue
             t0 = time.monotonic()
             with DeltaFile(c.path) as f, torch.no_grad():
-                changed = {n: parent[n] + f.get(n).to(parent[n].dtype) for n in f.names() if n in parent}
+                changed = {n: parent[n] + f.get(n).to(parent[n].dtype) for n in f.names()
+                           if n in parent and (layers is None or _in_first_layers(n, layers))}
             engine.load_state_dict(changed, 0)
             try:
                 after = measure(0, changed)
@@ -121,16 +130,24 @@ class Usefulness:
             # harm is tested at the full alpha on every look: erring there costs honest deltas, not the network
             hurt = [(s, p) for s, p in others if -p.gain > policy.max_other_drop and p.p_worse <= alpha]
             significant = own.wins > own.losses and own.p_better <= level
-            floor = 0.0 if self.reserve else CREDIT_MIN_CHANGE
-            if not significant and not hurt and table and _creditable(own, alpha, floor) \
-                    and reputation_of(table, c.author).say > 0:
+            floor = 0.0 if self.reserve or layers else CREDIT_MIN_CHANGE  # a repair's gain is the few tasks it fixes
+            credit = not significant and not hurt and bool(table) and _creditable(own, alpha, floor) \
+                and reputation_of(table, c.author).say > 0
+            if layers and not hurt and (significant or credit):
+                c.figures.pop("eval_s", None)
+                c.figures = {LAYERS_FIGURE: float(layers), **c.figures}  # the merge reads it: first in the manifest
+                log.info("round v%d: %s (%s), of a saturated skill (%.1f%% on the parent), passes as a repair of its "
+                         "first %d layer(s): %d tasks better, %d worse of %d", ctx.parent.version, c.manifest.blob[:12],
+                         c.skill, 100 * parent_accuracy, layers, own.wins, own.losses, own.n)
+            if credit:
                 c.figures.pop("eval_s", None)  # a manifest carries 8 figures: this one says why it is in
                 c.figures["on_credit"] = 1.0
                 log.info("round v%d: %s (%s) merged on credit: %d tasks better, %d worse of %d", ctx.parent.version,
                          c.manifest.blob[:12], c.skill, own.wins, own.losses, own.n)
                 out.append(c)
             elif not significant:
-                ctx.reject(c, self.name, f"it does not improve {c.skill} with {policy.confidence:.0%} confidence: "
+                what = f"its first {layers} layer(s), judged as a repair, do" if layers else "it does"
+                ctx.reject(c, self.name, f"{what} not improve {c.skill} with {policy.confidence:.0%} confidence: "
                                          f"{own.wins} tasks better, {own.losses} worse of {own.n}"
                                          f"{' (two looks)' if looks == 2 else ''} "
                                          f"(accuracy {own.accuracy_before:.1%} -> {own.accuracy_after:.1%}, "
@@ -157,6 +174,12 @@ class Usefulness:
             else:
                 out.append(c)
         return out
+
+
+def _in_first_layers(name: str, layers: int) -> bool:
+    """Whether tensor `name` lies in the model's first `layers` decoder layers (a repair changes only those)."""
+    i = layer_index(name)
+    return i is not None and i < layers
 
 
 def _creditable(own: Paired, alpha: float, min_change: float) -> bool:
