@@ -102,8 +102,10 @@ def test_a_saturated_skills_delta_is_judged_and_merged_as_a_repair_of_its_first_
             assert torch.allclose(merged[k], parent[k] + values[k], atol=1e-6), k
         else:
             assert torch.equal(merged[k], parent[k]), k
-    # what a manifest records recomputes the merge: the `layers` figure, kept first among more than 8 figures
-    figures = clean_figures({**{f"f{i}": float(i) for i in range(12)}, **cand.figures})
+    # what a manifest records recomputes the merge: the `layers` figure, kept first among more than 8 figures, and
+    # a repair merged on credit keeps saying so (reputation reads it)
+    figures = clean_figures({**{f"f{i}": float(i) for i in range(12)}, **cand.figures, "on_credit": 1.0})
+    assert list(figures)[:2] == [LAYERS_FIGURE, "on_credit"] and len(figures) == 8
     ref_ = DeltaRef(blob=cand.manifest.blob, author=cand.author, skill="reverse", figures=figures)
     assert first_layers([(ref_.skill, ref_.figures)]) == {"reverse": 1}
     again = merge_checkpoint(nano_model, {"reverse": [(wrecked.path, 1.0)]}, spec.merge, tmp_path / "again",

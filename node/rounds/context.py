@@ -117,12 +117,18 @@ def first_layers(deltas: Iterable[tuple[str, Mapping[str, float]]]) -> dict[str,
     return {skill: int(figures[LAYERS_FIGURE]) for skill, figures in deltas if LAYERS_FIGURE in figures}
 
 
+# Figures others act on, kept before the rest when a manifest's 8 must leave some out: the merge reads `layers`
+# (`--verify` recomputes it), reputation reads `on_credit` (a delta merged on credit earns its key nothing) and
+# `harmful` (a rejection that counts against its key).
+KEPT_FIRST = (LAYERS_FIGURE, "on_credit", "harmful")
+
+
 def clean_figures(figures: dict[str, float]) -> dict[str, float]:
-    """The first 8 finite figures (`layers`, which the merge reads, first), rounded to 6 significant digits (what a
-    manifest can carry)."""
+    """The first 8 finite figures (those of KEPT_FIRST first), rounded to 6 significant digits (what a manifest can
+    carry)."""
     out: dict[str, float] = {}
-    ordered = sorted(figures.items(), key=lambda kv: kv[0] != LAYERS_FIGURE)
-    for k, v in ordered:
+    rank = {k: i for i, k in enumerate(KEPT_FIRST)}
+    for k, v in sorted(figures.items(), key=lambda kv: rank.get(kv[0], len(rank))):
         if len(out) < 8 and _FIGURE_NAME.match(k) and math.isfinite(v) and abs(v) <= 1e12:
             out[k] = float(f"{v:.6g}")
     return out
