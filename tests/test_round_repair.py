@@ -26,11 +26,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def deltas(nano_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[DeltaInfo, DeltaInfo]:
-    """A reverse delta (60 supervised steps) and a sort delta (40 steps), both changing every layer."""
+    """A reverse delta (60 supervised steps) and a random one of the same size for sort (the merge's arithmetic
+    needs no training), both changing every layer."""
     torch.set_num_threads(1)
     d = tmp_path_factory.mktemp("repair")
-    return (sft_delta(nano_model, "reverse", d / "reverse.safetensors", steps=60, lr=3e-4),
-            sft_delta(nano_model, "sort", d / "sort.safetensors", steps=40, lr=1e-3, seed=1))
+    rev = sft_delta(nano_model, "reverse", d / "reverse.safetensors", steps=60, lr=3e-4)
+    g = torch.Generator().manual_seed(1)
+    values = {k: torch.randn(v.shape, generator=g) * 1e-3 for k, v in read_delta(rev.path).items()}
+    return rev, encode_delta(values, d / "sort.safetensors", "dense_fp32")
 
 
 def _load(model_dir: Path) -> dict[str, torch.Tensor]:
