@@ -24,6 +24,12 @@ def layer_index(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def in_first_layers(name: str, layers: int) -> bool:
+    """Whether tensor `name` lies in the model's first `layers` decoder layers (embeddings, final norm and head do not)."""
+    i = layer_index(name)
+    return i is not None and i < layers
+
+
 def num_layers(model_dir: Path, names: Sequence[str]) -> int:
     """The model's layer count: its config.json's, else one more than the largest layer index of its tensors."""
     try:

@@ -33,7 +33,7 @@ from skillswarm.merge.methods.model_stock import model_stock_rows, model_stock_s
 from skillswarm.merge.methods.slerp import slerp_coefficients, slerp_rows, slerp_stats
 from skillswarm.merge.methods.sparsify import rng_key
 from skillswarm.merge.pipeline import CHUNK_ELEMS, MergeResult, apply_rows, check_delta_fits, is_float, run_pipeline
-from skillswarm.merge.recipe_params import layer_index
+from skillswarm.merge.recipe_params import in_first_layers
 from skillswarm.merge.tensorfile import numel
 from skillswarm.protocol.errors import MergeError
 from skillswarm.protocol.records import AGGREGATORS, MergePolicy
@@ -102,8 +102,7 @@ class _FirstLayers:
         self.src, self.layers, self.path = src, layers, src.path
 
     def rows(self, name: str, r0: int, r1: int) -> torch.Tensor | None:
-        i = layer_index(name)
-        return self.src.rows(name, r0, r1) if i is not None and i < self.layers else None
+        return self.src.rows(name, r0, r1) if in_first_layers(name, self.layers) else None
 
     def close(self) -> None:
         self.src.close()

@@ -12,10 +12,11 @@ from safetensors.torch import load_file
 
 from skillswarm.merge import merge_checkpoint
 from skillswarm.merge.deltas import DeltaInfo, encode_delta, read_delta
-from skillswarm.merge.recipe_params import layer_index
+from skillswarm.merge.recipe_params import in_first_layers
 from skillswarm.node.rounds import RoundStrategy
 from skillswarm.node.rounds.context import clean_figures, first_layers
 from skillswarm.node.rounds.usefulness import Usefulness
+from skillswarm.protocol.errors import MergeError, RecordError
 from skillswarm.protocol.hashing import weights_hash
 from skillswarm.protocol.records import LAYERS_FIGURE, DeltaRef, MergePolicy, ScreenPolicy
 from tests.sft import sft_delta
@@ -40,11 +41,6 @@ def _load(model_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(model_dir / "model.safetensors"))
 
 
-def _in_first(name: str, n: int) -> bool:
-    i = layer_index(name)
-    return i is not None and i < n
-
-
 def test_a_skills_deltas_merged_in_their_first_layers_change_only_those(nano_model: Path, deltas, tmp_path: Path) -> None:
     # TIES: outside reverse's first layer the merge is exactly sort's alone (reverse's rows neither vote nor dilute);
     # inside it, exactly the merge of both.
@@ -55,12 +51,12 @@ def test_a_skills_deltas_merged_in_their_first_layers_change_only_those(nano_mod
     merge_checkpoint(nano_model, {"sort": [(srt.path, 1.0)]}, policy, tmp_path / "sort", seed=3, progress=False)
     merge_checkpoint(nano_model, both, policy, tmp_path / "repair", seed=3, progress=False, first_layers={"reverse": 1})
     full, alone, repair = (_load(tmp_path / d) for d in ("both", "sort", "repair"))
-    inside = [k for k in repair if _in_first(k, 1)]
+    inside = [k for k in repair if in_first_layers(k, 1)]
     assert inside and len(inside) < len(repair)
     for k in repair:
-        assert torch.equal(repair[k], full[k] if _in_first(k, 1) else alone[k]), k
+        assert torch.equal(repair[k], full[k] if in_first_layers(k, 1) else alone[k]), k
     assert any(not torch.equal(full[k], alone[k]) for k in inside)  # reverse's delta did change its first layer
-    with pytest.raises(Exception, match="at least one layer"):
+    with pytest.raises(MergeError, match="at least one layer"):
         merge_checkpoint(nano_model, both, policy, tmp_path / "bad", first_layers={"reverse": 0}, progress=False)
 
 
@@ -75,9 +71,9 @@ def test_a_saturated_skills_delta_is_judged_and_merged_as_a_repair_of_its_first_
     rev, _ = deltas
     base_hash = weights_hash(nano_model)
     g = torch.Generator().manual_seed(0)
-    values = {k: (v if _in_first(k, 1) else 50 * torch.randn(v.shape, generator=g)) for k, v in read_delta(rev.path).items()}
+    values = {k: (v if in_first_layers(k, 1) else 50 * torch.randn(v.shape, generator=g)) for k, v in read_delta(rev.path).items()}
     wrecked = encode_delta(values, tmp_path / "wrecked.safetensors", "dense_fp32")
-    first = encode_delta({k: v for k, v in values.items() if _in_first(k, 1)}, tmp_path / "first.safetensors", "dense_fp32")
+    first = encode_delta({k: v for k, v in values.items() if in_first_layers(k, 1)}, tmp_path / "first.safetensors", "dense_fp32")
     screen = ScreenPolicy(eval_n=128, confidence=0.5, max_other_drop=0.5)
     spec = _spec(nano_model, screen=msgspec.structs.replace(screen, saturated_at=0.01, repair_layers=1),
                  merge=MergePolicy(method="task_arithmetic", scale=1.0))
@@ -101,7 +97,7 @@ def test_a_saturated_skills_delta_is_judged_and_merged_as_a_repair_of_its_first_
     assert kept == [cand]
     merged, parent = _load(tmp_path / "merged"), _load(nano_model)
     for k in parent:  # task arithmetic at lambda 1: the first layer gets the delta, the rest stays the parent's
-        if _in_first(k, 1):
+        if in_first_layers(k, 1):
             assert torch.allclose(merged[k], parent[k] + values[k], atol=1e-6), k
         else:
             assert torch.equal(merged[k], parent[k]), k
@@ -132,3 +128,15 @@ def test_a_repair_that_does_not_help_is_rejected_and_saying_so(nano_model: Path,
     assert "judged as a repair" in r.reason and "not improve reverse" in r.reason, r.reason
     assert not ctx.reserve
     assert msgspec.structs.replace(screen, repair_layers=msgspec.UNSET).repair_layers is msgspec.UNSET
+
+
+def test_a_manifests_layers_figure_must_be_a_layer_count_the_same_for_a_skills_deltas() -> None:
+    # a hostile or broken manifest gets a clear error at --verify, not a traceback or a silent other merge
+    assert first_layers([("reverse", {LAYERS_FIGURE: 2.0}), ("reverse", {LAYERS_FIGURE: 2.0}), ("sort", {})]) \
+        == {"reverse": 2}
+    for bad in (0.0, 1.5, -1.0, float("nan"), 1e6):
+        with pytest.raises(RecordError, match="not a layer count"):
+            first_layers([("reverse", {LAYERS_FIGURE: bad})])
+    with pytest.raises(RecordError, match="disagree"):
+        first_layers([("reverse", {LAYERS_FIGURE: 1.0}), ("reverse", {})])
+

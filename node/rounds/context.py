@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Protocol
 
 from skillswarm.node.rounds.paired import Paired, Scores, scores
+from skillswarm.protocol.errors import RecordError
 from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.protocol.records import (LAYERS_FIGURE, CheckpointManifest, DeltaManifest, MergePolicy, NetworkSpec,
                                          Rejection)
@@ -113,8 +114,18 @@ class RoundContext:
 
 
 def first_layers(deltas: Iterable[tuple[str, Mapping[str, float]]]) -> dict[str, int]:
-    """skill -> N for the skills whose deltas (skill, figures) are merged in their first N layers only."""
-    return {skill: int(figures[LAYERS_FIGURE]) for skill, figures in deltas if LAYERS_FIGURE in figures}
+    """skill -> N for the skills whose deltas (skill, figures) are merged in their first N layers only. A manifest
+    whose `layers` figure is not a layer count, or differs among one skill's deltas, names no merge: RecordError."""
+    seen: dict[str, float | None] = {}
+    for skill, figures in deltas:
+        n = figures.get(LAYERS_FIGURE)
+        if n is not None and not (math.isfinite(n) and n == int(n) and 1 <= n <= 1024):
+            raise RecordError(f"a {skill} delta's `{LAYERS_FIGURE}` figure is {n}, not a layer count (1-1024); the "
+                              "manifest does not say how it was merged")
+        if seen.setdefault(skill, n) != n:
+            raise RecordError(f"the {skill} deltas disagree on `{LAYERS_FIGURE}` ({seen[skill]} and {n}); a skill's "
+                              "deltas are merged in the same layers")
+    return {skill: int(n) for skill, n in seen.items() if n is not None}
 
 
 # Figures others act on, kept before the rest when a manifest's 8 must leave some out: the merge reads `layers`

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from msgspec import UNSET
 
-from skillswarm.merge.recipe_params import layer_index
+from skillswarm.merge.recipe_params import in_first_layers
 from skillswarm.node.rounds.context import Candidate, RoundContext
 from skillswarm.node.rounds.paired import Paired, Scores, pocock_level, scores
 from skillswarm.node.rounds.reputation import reputation_of, reputations
@@ -109,7 +109,7 @@ class Usefulness:
             t0 = time.monotonic()
             with DeltaFile(c.path) as f, torch.no_grad():
                 changed = {n: parent[n] + f.get(n).to(parent[n].dtype) for n in f.names()
-                           if n in parent and (layers is None or _in_first_layers(n, layers))}
+                           if n in parent and (layers is None or in_first_layers(n, layers))}
             engine.load_state_dict(changed, 0)
             try:
                 after = measure(0, changed)
@@ -174,12 +174,6 @@ class Usefulness:
             else:
                 out.append(c)
         return out
-
-
-def _in_first_layers(name: str, layers: int) -> bool:
-    """Whether tensor `name` lies in the model's first `layers` decoder layers (a repair changes only those)."""
-    i = layer_index(name)
-    return i is not None and i < layers
 
 
 def _creditable(own: Paired, alpha: float, min_change: float) -> bool:
