@@ -16,10 +16,11 @@ import psutil
 import pytest
 
 from skillswarm.protocol.transport.dht import SwarmDHT
+from skillswarm.protocol.codec import encode_record
 from skillswarm.protocol.errors import NetworkError, RecordError
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.records import (
-    CheckpointManifest, DeltaManifest, FileEntry, NetworkSpec, PeerRecord, SkillStats, TrainStats,
+    CheckpointManifest, DeltaManifest, FileEntry, NetworkSpec, PeerRecord, Rejection, SkillStats, TrainStats,
 )
 from tests.conftest import ROOT
 from tests.net_helpers import still_running
@@ -88,6 +89,29 @@ def test_checkpoints_count_only_when_signed_by_a_trusted_coordinator(pair: tuple
     assert b.get_checkpoint(1, trusted=[b.identity.public_key_hex]) is None
     assert [c.version for c in b.get_checkpoints(trusted=trusted, since=2)] == [2]
     assert b.get_checkpoints(trusted=[]) == []
+
+
+async def _length_of(_dht: object, _node: object, blob: bytes) -> int:
+    return len(blob)
+
+
+async def _bytes_of(_dht: object, _node: object, n: int) -> bytes:
+    return bytes(n)
+
+
+def test_calls_and_records_of_any_size_leave_the_dht_process_alive(pair: tuple[SwarmDHT, SwarmDHT]) -> None:
+    a, b = pair
+    for n in (17_000, 64 << 10, 4 << 20):  # over the 16 KiB a pipe message is written in one piece up to
+        assert a.run_coroutine(_length_of, blob=bytes(n)) == n
+        assert len(a.run_coroutine(_bytes_of, n=n)) == n
+    rejected = [Rejection(blob=f"{i:064x}", author=b.identity.public_key_hex, skill="arith", reason="r" * 200,
+                          step="usefulness", figures={"gain": 0.01 * i, "harmful": 1.0}) for i in range(100)]
+    big = msgspec.structs.replace(_checkpoint(9), rejected=rejected)
+    assert len(encode_record(a.identity.sign_record(big))) > 20_000
+    for _ in range(8):  # a coordinator re-stores its manifests; each put must leave the peer running
+        assert a.put(big, ttl=120)
+    [got] = [c for c in b.get_checkpoints(trusted=[a.identity.public_key_hex]) if c.version == 9]
+    assert len(got.rejected) == 100 and a.is_running and b.is_running
 
 
 def test_put_refuses_what_this_node_may_not_publish(pair: tuple[SwarmDHT, SwarmDHT]) -> None:

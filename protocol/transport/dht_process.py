@@ -84,7 +84,39 @@ class NodeProcess(hivemind.DHT):
         os.setpgrp()
         threading.Thread(target=_watch_parent, args=(self._parent_pid,), name="owner-watch", daemon=True).start()
         logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(_quiet_p2pd_shutdown)
+        self._inner_pipe = _WholeMessageReader(self._inner_pipe)
         super().run()
+
+
+class _WholeMessageReader:
+    """The request pipe's read end, read whole. hivemind reads it from its event loop, which made the fd
+    non-blocking; a call over 16 KiB is written as a header and a body, so the read found the header alone,
+    failed, and the next read unpickled half a message (the DHT process died). Reading blocks only for
+    the rest of a message whose first bytes have arrived: the caller is writing it now."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    def fileno(self) -> int:
+        """The fd hivemind's loop watches."""
+        return self._conn.fileno()
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        """Whether a message has begun to arrive."""
+        return self._conn.poll(timeout)
+
+    def recv(self) -> Any:
+        """One whole message, however many writes it took."""
+        fd = self._conn.fileno()
+        os.set_blocking(fd, True)
+        try:
+            return self._conn.recv()
+        finally:
+            os.set_blocking(fd, False)
+
+    def close(self) -> None:
+        """Close the read end."""
+        self._conn.close()
 
 
 def _quiet_p2pd_shutdown(record: logging.LogRecord) -> bool:
