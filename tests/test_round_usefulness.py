@@ -22,6 +22,9 @@ from tests.sft import sft_delta
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 SKILLS = ["arith", "calc", "reverse", "sort"]
+# The guard tests' network holds only the two skills their deltas touch: what an SFT delta on reverse does to the
+# partial credit of calc (where the nano base scores 0%) differs between CPUs' float kernels, and is not their subject.
+GUARD_SKILLS = ["reverse", "sort"]
 
 
 def _candidate(path: Path, skill: str, base_hash: str) -> Candidate:
@@ -41,8 +44,8 @@ def honest(nano_model: Path, tmp_path_factory: pytest.TempPathFactory) -> DeltaI
     return sft_delta(nano_model, "reverse", tmp_path_factory.mktemp("honest") / "honest.safetensors", steps=60, lr=3e-4)
 
 
-def _spec(nano_model: Path, **changes: Any) -> NetworkSpec:
-    return NetworkSpec(network="use", base_model=str(nano_model), base_hash=weights_hash(nano_model), skills=SKILLS,
+def _spec(nano_model: Path, skills: list[str] = SKILLS, **changes: Any) -> NetworkSpec:
+    return NetworkSpec(network="use", base_model=str(nano_model), base_hash=weights_hash(nano_model), skills=skills,
                        codec="dense_fp32", **changes)
 
 
@@ -103,7 +106,7 @@ def test_the_guard_takes_out_of_the_merge_a_delta_whose_cost_the_tolerance_let_t
     # out and the honest one is merged alone. Task arithmetic at lambda 1: the merge of one delta is that delta.
     torch.set_num_threads(1)
     base_hash = weights_hash(nano_model)
-    spec = _spec(nano_model, screen=ScreenPolicy(eval_n=128, confidence=0.9, max_other_drop=0.5),
+    spec = _spec(nano_model, GUARD_SKILLS, screen=ScreenPolicy(eval_n=128, confidence=0.9, max_other_drop=0.5),
                  merge=MergePolicy(method="task_arithmetic", scale=1.0))
     ctx = _ctx(nano_model, tmp_path, spec)
     good, bad = _candidate(honest.path, "reverse", base_hash), _candidate(forgetting.path, "sort", base_hash)
@@ -115,7 +118,7 @@ def test_the_guard_takes_out_of_the_merge_a_delta_whose_cost_the_tolerance_let_t
     assert kept == [good] and result.weights_hash == weights_hash(tmp_path / "merged")
     [(cand, r)] = ctx.rejected
     assert cand is bad and r.step == "guard" and "leaves reverse worse than the parent" in r.reason, r.reason
-    assert r.figures["merged_gain"] < 0 and r.figures["p_worse"] <= 0.1 / len(SKILLS)
+    assert r.figures["merged_gain"] < 0 and r.figures["p_worse"] <= 0.1 / len(GUARD_SKILLS)
     assert r.figures["alone_gain"] == pytest.approx(ctx.measured[bad.manifest.blob]["reverse"].gain, abs=1e-5)
     assert r.figures["harmful"] == 1.0  # alone it cost reverse significantly
     # the guard's second pass found the honest delta alone leaves no skill worse; alone it lifts reverse
@@ -133,7 +136,7 @@ def test_a_saturated_skills_delta_held_in_reserve_comes_back_when_the_merge_leav
     torch.set_num_threads(1)
     base_hash = weights_hash(nano_model)
     screen = ScreenPolicy(eval_n=128, confidence=0.9, max_other_drop=0.5)
-    spec = _spec(nano_model, screen=screen, merge=MergePolicy(method="task_arithmetic", scale=1.0))
+    spec = _spec(nano_model, GUARD_SKILLS, screen=screen, merge=MergePolicy(method="task_arithmetic", scale=1.0))
     saturated = msgspec.structs.replace(spec, screen=msgspec.structs.replace(screen, saturated_at=0.01))
     values = dict(read_delta(honest.path).items())
     flipped = encode_delta({k: -v for k, v in values.items()}, tmp_path / "flipped.safetensors", "dense_fp32")
@@ -192,7 +195,7 @@ def test_the_merge_takes_another_lambda_only_where_it_is_significantly_better(na
 
     # (the network's lambda, its alternatives, the one kept)
     for scale, others, chosen in [(0.2, [1.0], 1.0), (1.0, [0.2], 1.0), (0.1, [0.4, 1.0], 1.0)]:
-        spec = _spec(nano_model, screen=ScreenPolicy(eval_n=128, confidence=0.9),
+        spec = _spec(nano_model, GUARD_SKILLS, screen=ScreenPolicy(eval_n=128, confidence=0.9),
                      merge=MergePolicy(method="task_arithmetic", scale=scale, scale_search=others))
         ctx = _ctx(nano_model, tmp_path, spec)
         good = _candidate(honest.path, "reverse", base_hash)
@@ -200,7 +203,7 @@ def test_the_merge_takes_another_lambda_only_where_it_is_significantly_better(na
         strategy = Staging(steps=[])
         result, kept = strategy.merge_guarded(ctx, [good], out, delta)
         assert kept == [good] and ctx.merge_policy is not None and ctx.merge_policy.scale == chosen
-        assert "lambda" in ctx.seconds and set(ctx.merged_scores) == set(SKILLS)
+        assert "lambda" in ctx.seconds and set(ctx.merged_scores) == set(GUARD_SKILLS)
         assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(f"merged-{scale}")) == \
             [out.name, delta.name]  # the other lambdas' merges are gone
         # a losing merge is deleted before the next is made: never more than the held one beside the one being made
