@@ -18,7 +18,12 @@ against the skill with the largest honest gain (`target`) unless said otherwise:
 - collusion_k3: three keys, each publishing for one of the three skills other than the backdoor's victim that
   skill's honest delta plus a share of the backdoor's poison (`collusion_share`: 1/3, halved until one such delta
   alone costs the victim less than 0.8 x `max_other_drop`): each passes the per-delta tolerance; merged, their
-  costs add up, which is what the merge guard is for.
+  costs add up, which is what the merge guard is for;
+- copycat: two keys claiming the target's honest delta as their own work: the same file re-signed (the same blob),
+  and the delta x 0.98 re-encoded (another blob), for the honest worker's weight and credit twice over.
+The coordinator sees the honest deltas first (`RoundContext.first_seen`): every attack but the random direction is made
+from them, so it can only be published after them. Attackers are told apart from honest workers by key (a re-signed
+copy has the honest blob).
 For each: whether the attacker was included (`screened_in`: past the per-delta screening, before the guard), and per skill the merged model's held-out accuracy (n =
 --eval-n, greedy, the fixed eval split) minus the clean merge's, in points. `unscreened` is what the
 same attack does when only the old screening runs (file checks and a norm outlier test against the
@@ -123,7 +128,8 @@ class Drill:
 
     def run(self, candidates: list[Any], screened: bool = True) -> tuple[list[Any], dict[str, float], dict]:
         """Screen (the default steps, or only the old file checks), merge (under the guard when screened), evaluate
-        every skill; info["screened_in"] holds the blobs past the screening steps, before the guard."""
+        every skill; the coordinator saw `candidates` in their order, one second apart. info["screened_in"] holds the
+        keys of the candidates past the screening steps, before the guard."""
         from skillswarm.node.rounds import RoundContext, RoundStrategy
         from skillswarm.node.rounds.guard import MergeGuard
         from skillswarm.node.rounds.strategy import default_steps
@@ -131,7 +137,8 @@ class Drill:
 
         steps = [s for s in default_steps() if s.name != "fetch"] if screened else [_OldScreen()]
         ctx = RoundContext(spec=self.spec, parent=self.parent, base_dir=self.base, blobs=BlobStore(self.work / "blobs"),
-                           history=[self.parent, *self._records(candidates)], eval_seed=1234)
+                           history=[self.parent, *self._records(candidates)], eval_seed=1234,
+                           first_seen={(c.author, c.manifest.blob): float(i) for i, c in enumerate(candidates)})
         # the unscreened round is the merge before any of this: no guard, and the network's lambda
         strategy = RoundStrategy(steps=steps, guard=MergeGuard() if screened else None,
                                  **({} if screened else {"search": None}))
@@ -141,8 +148,8 @@ class Drill:
         shutil.rmtree(out, ignore_errors=True)  # a kept --work directory may hold an interrupted drill's merge
         _, accepted = strategy.merge_guarded(ctx, screened_in, out, self.work / f"merged-{self.n}.delta")
         info = {"seconds": dict(ctx.seconds), "rejected": [r.reason for _, r in ctx.rejected],
-                "screened_in": {c.manifest.blob for c in screened_in}}
-        key = (screened, frozenset(c.manifest.blob for c in accepted))
+                "screened_in": {c.author for c in screened_in}}
+        key = (screened, tuple(sorted((c.manifest.blob, c.weight) for c in accepted)))
         if key not in self.cache:  # the same deltas merge to the same bits: the same accuracies
             self.cache[key] = {s: self.evaluate(out, s, n=self.eval_n).accuracy for s in SKILLS} if accepted else \
                 {s: self.evaluate(self.base, s, n=self.eval_n).accuracy for s in SKILLS}
@@ -239,27 +246,31 @@ def main() -> None:
         share = _share_under_tolerance(base, work, honest[colluders[0]], poison, mix, other, base_acc[other],
                                        drill.spec.screen.max_other_drop, args.eval_n)
         attacks["collusion_k3"] = [_plus(_values(honest[s]), poison, share * mix) for s in colluders]
+        attacks["copycat"] = [None, {k: v * 0.98 for k, v in t_vals.items()}]  # None: the honest file, re-signed
         results = []
         for name, deltas in attacks.items():
             skills = colluders if name == "collusion_k3" else [target] * len(deltas)
-            paths = [_write(d, work / f"{name}-{i}.safetensors", skill=k) for i, (d, k) in enumerate(zip(deltas, skills))]
+            paths = [honest[k] if d is None else _write(d, work / f"{name}-{i}.safetensors", skill=k)
+                     for i, (d, k) in enumerate(zip(deltas, skills))]
             if name == "sybil_k2":  # two keys, the same values in two distinct files (other metadata)
                 paths[1] = _write(deltas[1], work / "sybil-copy.safetensors", skill=target, base_hash=drill.base_hash)
             attackers = [drill.candidate(p, k) for p, k in zip(paths, skills)]
-            blobs = {a.manifest.blob for a in attackers}
+            keys = {a.author for a in attackers}
             accepted, acc, info = drill.run([drill.candidate(p, s) for s, p in honest.items()] + attackers)
-            included = any(c.manifest.blob in blobs for c in accepted)
-            old_in, old_acc, _ = drill.run([drill.candidate(p, s) for s, p in honest.items()]
-                                           + [drill.candidate(p, k) for p, k in zip(paths, skills)], screened=False)
+            included = any(c.author in keys for c in accepted)
+            old_attackers = [drill.candidate(p, k) for p, k in zip(paths, skills)]
+            old_in, old_acc, _ = drill.run([drill.candidate(p, s) for s, p in honest.items()] + old_attackers,
+                                           screened=False)
+            old_keys = {a.author for a in old_attackers}
             per_skill = {s: round(100 * (acc[s] - clean[s]), 2) for s in SKILLS}
             results.append({
-                "name": name, "included": included, "screened_in": len(blobs & info["screened_in"]),
-                "attackers": len(blobs), "max_loss_pts": round(max(0.0, -min(per_skill.values())), 2),
+                "name": name, "included": included, "screened_in": len(keys & info["screened_in"]),
+                "attackers": len(keys), "max_loss_pts": round(max(0.0, -min(per_skill.values())), 2),
                 "per_skill": per_skill, "eval_seconds": round(info["seconds"].get("usefulness", 0.0), 1),
                 "guard_seconds": round(info["seconds"].get("guard", 0.0), 1),
                 "lambda_seconds": round(info["seconds"].get("lambda", 0.0), 1),  # the search's merges and evaluations
                 "rejected": info["rejected"],
-                "unscreened": {"included": any(c.manifest.blob in blobs for c in old_in),
+                "unscreened": {"included": any(c.author in old_keys for c in old_in),
                                "max_loss_pts": round(max(0.0, -min(100 * (old_acc[s] - old_clean[s]) for s in SKILLS)), 2)},
             })
             print(f"{name}: included={included} max loss {results[-1]['max_loss_pts']} pts "

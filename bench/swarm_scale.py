@@ -14,7 +14,7 @@ hivemind DHT peer and p2pd on 127.0.0.1 (SwarmDHT, BlobStore, real signed record
 Per N it prints the round's seconds (the coordinator's start to the last worker's pull), the bytes the
 coordinator uploaded and downloaded (the providers' own counters, `provider_stats`), its peak RSS (VmHWM
 of its process, its DHT process and p2pd), the bytes each worker uploaded (mean / max), and the
-coordinator's upload divided by one checkpoint delta's size. Goal (issue 14): that ratio <= 2 whatever N,
+coordinator's upload divided by one checkpoint delta's size. Goal: that ratio <= 2 whatever N,
 and the coordinator's RSS flat in N.
 
 Every peer's uploads are capped at --rate-mbit (one upload slot at that rate: the transfer layer's

@@ -1,5 +1,5 @@
 """Every round's merged checkpoint of a finished demo run against each skill's first-round specialist, paired task by
-task: the table `skillswarm demo` prints since stop 47, for a run saved before it (or at another `--n`).
+task: the table `skillswarm demo` prints, for a run saved before the demo printed it (or at another `--n`).
 
 Each checkpoint vN (the coordinator's copies) and each skill's first-round specialist (its worker's model trained on
 v0) play the first `--n` held-out tasks; per skill and version: both accuracies, the tasks each wins from the other,

@@ -21,13 +21,14 @@ see exact.py); encoding runs once, by the delta's author, and others check its b
 from __future__ import annotations
 
 import bisect
+import math
 from typing import Mapping, Sequence
 
 import torch
 
 from skillswarm.merge.exact import cast, lora_product
 from skillswarm.merge.methods.sparsify import kth_largest_magnitudes
-from skillswarm.merge.tensorfile import TensorFile, numel
+from skillswarm.merge.tensorfile import TensorFile, numel, shown
 from skillswarm.protocol.errors import MergeError
 from skillswarm.protocol.records import CODECS
 
@@ -49,13 +50,19 @@ Factors = tuple[torch.Tensor, torch.Tensor]  # LoRA (A, B): delta = B @ A
 def codec_params(codec: str, params: Mapping[str, float] | None = None) -> dict[str, float]:
     """The codec's parameters with defaults filled in; a clear error for an unknown codec, name or value."""
     if codec not in CODECS:
-        raise MergeError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
+        raise MergeError(f"unknown codec {str(codec)[:64]!r}; choose one of {', '.join(CODECS)}")
     out = dict(DEFAULT_PARAMS[codec])
     for k, v in (params or {}).items():
         if k not in out:
             allowed = ", ".join(out) or "none"
-            raise MergeError(f"codec {codec} has no parameter {k!r} (it takes: {allowed})")
-        out[k] = float(v)
+            raise MergeError(f"codec {codec} has no parameter {str(k)[:64]!r} (it takes: {allowed})")
+        try:
+            x = float(v)
+        except (TypeError, ValueError, OverflowError):  # a value from a file may be anything JSON holds
+            x = math.nan
+        if not math.isfinite(x):
+            raise MergeError(f"codec {codec} parameter {k} must be a finite number, got {str(v)[:64]!r}")
+        out[k] = x
     if codec == "topk" and not (0.0 < out["density"] <= 1.0):
         raise MergeError(f"topk density must be in (0, 1], got {out['density']}")
     if codec == "topk" and out["value_bits"] not in (8.0, 16.0, 32.0):
@@ -176,7 +183,7 @@ def stored_kind(f: TensorFile, name: str) -> str:
     for kind, (p0, p1) in SUFFIXES.items():
         if name + p0 in f and name + p1 in f:
             return kind
-    raise MergeError(f"{f.path}: tensor `{name}` has no complete stored parts")
+    raise MergeError(f"{f.path}: tensor `{shown(name)}` has no complete stored parts")
 
 
 class _FlatIndex(Sequence[int]):
@@ -203,7 +210,10 @@ def decode_parts(kind: str, parts: Mapping[str, torch.Tensor], shape: Sequence[i
         values = parts["::val"].to(torch.float32)
         if TOPK_SCALE in parts:  # 8-bit values: one float32 multiply each, exact rounding on every machine
             values = values * parts[TOPK_SCALE].to(torch.float32)
-        out[parts["::idx"].to(torch.int64) - flat_offset] = values
+        index = parts["::idx"].to(torch.int64) - flat_offset
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= out.numel()):
+            raise MergeError("top-k indices out of order or out of range; the file is corrupt")
+        out[index] = values
         return out.reshape(shape)
     if kind == "int8":
         q, scale = parts["::q"].to(torch.float32), parts["::scale"].to(torch.float32)

@@ -26,7 +26,8 @@ from skillswarm.merge.codecs import (DENSE_DTYPES, SUFFIXES, TOPK_SCALE, Factors
 from skillswarm.merge.exact import SquareSum
 from skillswarm.merge import peft_format
 from skillswarm.merge.progress import progress_bar
-from skillswarm.merge.tensorfile import DTYPES, TensorFile, TensorFileWriter, dtype_name, numel, row_chunks
+from skillswarm.merge.tensorfile import (DTYPES, MAX_DIM, MAX_DIMS, TensorFile, TensorFileWriter, dtype_name, is_int,
+                                         numel, parse_json, row_chunks, shown)
 from skillswarm.protocol.atomic import atomic_open
 from skillswarm.protocol.errors import MergeError
 
@@ -80,14 +81,15 @@ class DeltaFile:
             raise MergeError(f"{where} is not a skillswarm delta (no `format: {FORMAT}` metadata); make one with "
                              "`skillswarm merge delta` or skillswarm.merge.encode_delta")
         if md.get("format_version") not in READ_VERSIONS:
-            raise MergeError(f"{where} is delta format version {md.get('format_version')!r}; this build reads "
-                             f"versions {', '.join(READ_VERSIONS)} (upgrade skillswarm)")
-        try:
-            params = json.loads(md.get("codec_params", "{}"))
-            declared = json.loads(md["tensors"])
-            assert isinstance(params, dict) and isinstance(declared, dict)
-        except (KeyError, ValueError, AssertionError):
-            raise MergeError(f"{where}: `codec_params` / `tensors` metadata is missing or not a JSON object") from None
+            version = (md.get("format_version") or "")[:32]
+            raise MergeError(f"{where} is delta format version {version!r}; this build reads versions "
+                             f"{', '.join(READ_VERSIONS)} (upgrade skillswarm)")
+        if "tensors" not in md:
+            raise MergeError(f"{where}: `codec_params` / `tensors` metadata is missing or not a JSON object")
+        params = parse_json(md.get("codec_params", "{}"), f"{where}: its `codec_params` metadata")
+        declared = parse_json(md["tensors"], f"{where}: its `tensors` metadata")
+        if not isinstance(params, dict) or not isinstance(declared, dict):
+            raise MergeError(f"{where}: `codec_params` / `tensors` metadata is missing or not a JSON object")
         self.codec = md.get("codec", "")
         self.params = codec_params(self.codec, params)
         self.base_hash: str | None = md.get("base_hash") or None
@@ -96,12 +98,13 @@ class DeltaFile:
         self.tensors: dict[str, DeltaTensor] = {}
         used: set[str] = set()
         for name, spec in sorted(declared.items()):
-            try:
-                dtype, shape = str(spec[0]), tuple(int(d) for d in spec[1])
-            except (TypeError, ValueError, IndexError):
-                raise MergeError(f"{where}: tensor `{name}` is declared as {spec!r}, expected [dtype, shape]") from None
+            if not (isinstance(spec, list) and len(spec) == 2 and isinstance(spec[0], str) and isinstance(spec[1], list)
+                    and len(spec[1]) <= MAX_DIMS and all(is_int(d) and 0 <= d <= MAX_DIM for d in spec[1])):
+                raise MergeError(f"{where}: tensor `{shown(name)}` is declared as {shown(str(spec))}, expected "
+                                 "[dtype, shape] (a shape of non-negative integers)")
+            dtype, shape = spec[0], tuple(spec[1])
             if dtype and dtype not in DTYPES:
-                raise MergeError(f"{where}: tensor `{name}` declares unknown dtype {dtype!r}")
+                raise MergeError(f"{where}: tensor `{shown(name)}` declares unknown dtype {dtype[:32]!r}")
             if self.peft_config is not None:
                 parts_at = peft_format.locate(self.file, self.peft_config, name, shape)
                 used.update((parts_at.a, parts_at.b))
@@ -116,18 +119,18 @@ class DeltaFile:
             self.tensors[name] = DeltaTensor(dtype, shape, kind)
         stray = sorted(set(self.file.keys()) - used)
         if stray:
-            raise MergeError(f"{where}: stored tensors {stray[:5]} belong to no declared tensor; the file is corrupt")
+            raise MergeError(f"{where}: stored tensors {[shown(n, 100) for n in stray[:5]]} belong to no declared "
+                             "tensor; the file is corrupt")
 
     def _peft_config(self, md: dict[str, str]) -> dict | None:
         """The adapter config of a PEFT-format file (version 2, lora codec only), else None."""
         if md.get("format_version") != peft_format.FORMAT_VERSION:
             return None
-        try:
-            config = json.loads(md["peft_config"])
-            assert isinstance(config, dict)
-        except (KeyError, ValueError, AssertionError):
+        raw = md.get("peft_config")
+        config = None if raw is None else parse_json(raw, f"{self.path}: its `peft_config` metadata")
+        if not isinstance(config, dict):
             raise MergeError(f"{self.path}: a version {peft_format.FORMAT_VERSION} delta needs `peft_config` "
-                             "metadata holding its adapter_config.json; the file is corrupt") from None
+                             "metadata holding its adapter_config.json; the file is corrupt")
         if self.codec != "lora":
             raise MergeError(f"{self.path}: a PEFT adapter is a lora delta, but the file says codec {self.codec!r}")
         peft_format.check_config(config, str(self.path))
@@ -135,7 +138,7 @@ class DeltaFile:
 
     def _check_parts(self, name: str, kind: str, shape: tuple[int, ...]) -> None:
         e = self.file.entry
-        bad = f"{self.path}: tensor `{name}` ({kind}, shape {list(shape)})"
+        bad = f"{self.path}: tensor `{shown(name)}` ({kind}, shape {list(shape)})"
         if kind == "dense":
             want = DENSE_DTYPES.get(self.codec, torch.float32) if tensor_kind(self.codec, shape) == "dense" else None
             if e(name).shape != shape or e(name).dtype not in FLOAT_DTYPES or (want and e(name).dtype != want):

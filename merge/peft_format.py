@@ -28,7 +28,7 @@ from typing import Any, Mapping
 import torch
 
 from skillswarm.merge.exact import lora_product
-from skillswarm.merge.tensorfile import TensorFile
+from skillswarm.merge.tensorfile import TensorFile, parse_json, shown
 from skillswarm.protocol.errors import MergeError
 
 PREFIX = "base_model.model."  # PEFT's key prefix for a causal LM's modules
@@ -41,7 +41,7 @@ UNSUPPORTED = ("use_dora", "lora_bias")  # PEFT options whose delta is not (B * 
 def module_of(weight: str) -> str:
     """The module a weight belongs to ("model.layers.0.mlp.up_proj.weight" -> "model.layers.0.mlp.up_proj")."""
     if not weight.endswith(".weight") or weight == ".weight":
-        raise MergeError(f"`{weight}` is not a module's weight (no `.weight` suffix); a LoRA adapter targets "
+        raise MergeError(f"`{shown(weight)}` is not a module's weight (no `.weight` suffix); a LoRA adapter targets "
                          "the weight matrices of linear layers")
     return weight[: -len(".weight")]
 
@@ -92,7 +92,8 @@ def json_config(config: Mapping[str, Any]) -> dict[str, Any]:
 def check_config(config: Mapping[str, Any], where: str) -> None:
     """Refuse adapter configs whose delta is not (B * scaling) @ A (DoRA, LoRA biases, other PEFT types)."""
     if config.get("peft_type") != "LORA":
-        raise MergeError(f"{where}: peft_type is {config.get('peft_type')!r}; only LoRA adapters are deltas here")
+        raise MergeError(f"{where}: peft_type is {str(config.get('peft_type'))[:32]!r}; only LoRA adapters are deltas "
+                         "here")
     on = [k for k in UNSUPPORTED if config.get(k)]
     if on:
         raise MergeError(f"{where}: the adapter uses {', '.join(on)}, whose update is not a plain LoRA product; "
@@ -155,9 +156,9 @@ class PeftParts:
 def locate(f: TensorFile, config: Mapping[str, Any], weight: str, shape: tuple[int, ...]) -> PeftParts:
     """The parts of `weight`'s adapter in `f`, checked against the declared shape and the config's rank."""
     a_name, b_name = part_names(weight)
-    bad = f"{f.path}: adapter of `{weight}` (shape {list(shape)})"
+    bad = f"{f.path}: adapter of `{shown(weight)}` (shape {list(shape)})"
     if a_name not in f or b_name not in f:
-        raise MergeError(f"{bad} has no {a_name} / {b_name} tensors; the file is corrupt")
+        raise MergeError(f"{bad} has no {shown(a_name)} / {shown(b_name)} tensors; the file is corrupt")
     a, b = f.entry(a_name), f.entry(b_name)
     transposed = bool(config.get("fan_in_fan_out"))
     rows, cols = ((shape[1], shape[0]) if transposed else shape) if len(shape) == 2 else (-1, -1)
@@ -194,11 +195,9 @@ def write_adapter_dir(delta_path: Path | str, out_dir: Path | str, *, base_model
     if raw is None:
         raise MergeError(f"{src} is not a PEFT adapter (no `peft_config` metadata); write one with "
                          "`skillswarm merge delta --codec lora` or `skillswarm train --lora`")
-    try:
-        config = json.loads(raw)
-        assert isinstance(config, dict)
-    except (ValueError, AssertionError):
-        raise MergeError(f"{src}: its `peft_config` metadata is not a JSON object; the file is corrupt") from None
+    config = parse_json(raw, f"{src}: its `peft_config` metadata")
+    if not isinstance(config, dict):
+        raise MergeError(f"{src}: its `peft_config` metadata is not a JSON object; the file is corrupt")
     check_config(config, str(src))
     if base_model is not None:
         config["base_model_name_or_path"] = base_model

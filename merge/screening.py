@@ -10,6 +10,7 @@ base's, a value is NaN or infinite (or top-k indices are out of order or range),
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from dataclasses import dataclass
@@ -23,8 +24,10 @@ from skillswarm.merge.deltas import DeltaFile
 from skillswarm.merge.exact import ProductSum, SquareSum
 from skillswarm.merge.pipeline import CHUNK_ELEMS, is_float
 from skillswarm.merge.progress import progress_bar
-from skillswarm.merge.tensorfile import dtype_name, numel, row_chunks
+from skillswarm.merge.tensorfile import dtype_name, numel, row_chunks, shown
 from skillswarm.protocol.errors import MergeError
+
+log = logging.getLogger(__name__)
 
 REASON_CHARS = 256
 
@@ -71,7 +74,16 @@ class _Reject(Exception):
 
 
 def _short(text: str) -> str:
-    return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "..."
+    """A reason as a Rejection record holds it: one line of at most REASON_CHARS characters that encodes as
+    UTF-8 (a name from a hostile file may hold newlines or lone surrogates)."""
+    return shown(text, REASON_CHARS)
+
+
+def _unreadable(e: Exception, c: DeltaCandidate) -> str:
+    """Why a delta's file could not be read, without this machine's path for it (the record names the blob)."""
+    text = str(e).replace(str(c.path), "the file")
+    return _short(f"unreadable delta: {text}" if isinstance(e, MergeError) else
+                  f"unreadable delta ({type(e).__name__}: {text})")
 
 
 def _names(items: list[str]) -> str:
@@ -159,7 +171,13 @@ def screen_deltas(base_dir: Path | str, candidates: Sequence[DeltaCandidate | Pa
                 except _Reject as e:
                     rejected[i] = Rejected(c, _short(str(e)))
                 except MergeError as e:
-                    rejected[i] = Rejected(c, _short(f"unreadable delta: {e}"))
+                    rejected[i] = Rejected(c, _unreadable(e, c))
+                except (ArithmeticError, LookupError, TypeError, ValueError, RuntimeError) as e:
+                    # a check this code lacks: the delta's bytes broke a step (RecursionError, OverflowError, a
+                    # torch error, ...), so the delta is out; environment errors (OSError, MemoryError) still raise
+                    log.warning("screening %s raised %s, a file check missing here; rejected it", c.path,
+                                type(e).__name__, exc_info=True)
+                    rejected[i] = Rejected(c, _unreadable(e, c))
                 advance()
     finally:
         base.close()

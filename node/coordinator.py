@@ -11,6 +11,11 @@ and retries only when new deltas arrive; once every online worker's delta has be
 round with the weights unchanged (`skip_round`), so honest workers train on instead of the network
 waiting for deltas nobody will send. Rejected blobs are deleted.
 
+No input stops the loop: the round steps turn what a delta's bytes break into that delta's rejection, and an
+error they did not foresee (a bug, or a hostile input no check caught) fails only the attempt: its deltas are
+recorded as rejected with the error (not held against their keys: which one caused it is unknown), never tried
+again, and the round goes on as an all-rejected one. A crash would restart into the same delta.
+
 Crash safety: a checkpoint is built in a staging dir and committed (with its signed manifest) by a
 rename before it is published; on restart, staging debris is removed and a committed but unpublished
 version is published as it was signed, so a version is never merged or published twice.
@@ -34,7 +39,7 @@ from skillswarm.node import failpoints
 from skillswarm.node.pull import find_checkpoint, local_base, pull, share
 from skillswarm.node.rl.config import EVAL_N
 from skillswarm.node.rounds import Candidate, RoundContext, RoundStrategy, evaluate_all
-from skillswarm.node.rounds.context import clean_figures, first_layers
+from skillswarm.node.rounds.context import REASON_CHARS, clean_figures, first_layers
 from skillswarm.node.store import CheckpointStore, checkpoint_files, link_or_copy, with_trees
 from skillswarm.protocol.codec import encode_record
 from skillswarm.protocol.errors import RecordError, SkillswarmError, SpecError
@@ -137,6 +142,14 @@ def fit_manifest(manifest: CheckpointManifest, identity: Identity) -> Checkpoint
             rejected = rejected[:len(rejected) * 3 // 4]
 
 
+def failed_round(deltas: list[DeltaManifest], error: BaseException, listed: set[str]) -> list[Rejection]:
+    """The rejections of deltas whose round attempt failed on an unforeseen error: not harmful (which delta caused
+    it is unknown), so no key's reputation pays for it; deltas already `listed` are left out."""
+    reason = f"the round failed while judging it: {type(error).__name__}: {error}"
+    return [Rejection(blob=d.blob, author=d.author, skill=d.skill, reason=reason[:REASON_CHARS], step="round",
+                      figures={"harmful": 0.0}) for d in deltas if d.blob not in listed]
+
+
 class Coordinator:
     """One coordinator of one network. `run()` merges rounds until `stop` is set or `max_rounds` are done."""
 
@@ -154,6 +167,9 @@ class Coordinator:
         self.strategy = strategy or RoundStrategy()
         self.state = "starting"
         self.note = ""  # why the current round waits (shown by `net status`)
+        # when this node first saw each delta manifest, (author, blob) -> its clock's time: which of two equal deltas
+        # came first (a copy's original), an order no author can write into its manifest
+        self.first_seen: dict[tuple[str, str], float] = {}
 
     # ---- publishing ---------------------------------------------------------------------------------
     def publish(self, manifest: CheckpointManifest) -> None:
@@ -196,8 +212,13 @@ class Coordinator:
 
     # ---- one round ----------------------------------------------------------------------------------
     def collect(self, current: CheckpointManifest) -> list[DeltaManifest]:
-        """The round's candidate deltas: for the current version and one of the network's skills."""
-        return [d for d in self.dht.get_deltas(current.version) if d.skill in self.spec.skills]
+        """The round's candidate deltas: for the current version and one of the network's skills (each noted in
+        `first_seen` the first time it comes back)."""
+        deltas = [d for d in self.dht.get_deltas(current.version) if d.skill in self.spec.skills]
+        now = time.time()
+        for d in deltas:
+            self.first_seen.setdefault((d.author, d.blob), now)
+        return deltas
 
     def online_workers(self) -> set[str]:
         """Keys of the workers whose peer record is alive (a stopped worker's deltas stop counting)."""
@@ -227,7 +248,9 @@ class Coordinator:
         self.state = "merging"
         ctx = RoundContext(spec=self.spec, parent=current, base_dir=self.store.path(current.version), blobs=self.blobs,
                            history=self.history(current), online=online, dht=self.dht,
-                           eval_seed=secrets.randbits(63), progress=self.progress)
+                           eval_seed=secrets.randbits(63), progress=self.progress,
+                           first_seen={(d.author, d.blob): self.first_seen.get((d.author, d.blob), time.time())
+                                       for d in deltas})
         candidates = [Candidate(d) for d in sorted(deltas, key=lambda d: d.blob)]
         accepted = self.strategy.screen(ctx, candidates)
         staging = self.store.staging()
@@ -240,10 +263,8 @@ class Coordinator:
                 failpoints.hit("coordinator.after_merge")
             now = {r.blob for _, r in ctx.rejected}
             rejected = [r for r in earlier if r.blob not in now] + [r for _, r in ctx.rejected]
-            keep = {c.manifest.blob for c in accepted}
-            for c, _ in ctx.rejected:  # a rejected blob is never merged: do not keep it (nor let it fill the disk)
-                if c.manifest.blob not in keep:
-                    self.blobs.remove(c.manifest.blob)
+            # a rejected blob is never merged: do not keep it (nor let it fill the disk)
+            self._remove_blobs({c.manifest.blob for c, _ in ctx.rejected} - {c.manifest.blob for c in accepted}, current)
             if not accepted:
                 raise RoundRejected(current.version, rejected, ctx.eval_seed)
             self.state = "evaluating"
@@ -305,7 +326,8 @@ class Coordinator:
         return RoundReport(manifest, time.monotonic() - t0, len(rejected), rejected, {})
 
     def run(self, stop: threading.Event | None = None, max_rounds: int | None = None) -> list[RoundReport]:
-        """Merge rounds until `stop` is set or `max_rounds` merges are done."""
+        """Merge rounds until `stop` is set or `max_rounds` merges are done. Survives any error of one attempt (the
+        module docstring): it is logged, shown in `net status`, and backed off."""
         stop = stop or threading.Event()
         current = self.recover()
         reports: list[RoundReport] = []
@@ -313,51 +335,79 @@ class Coordinator:
         tried_by: set[str] = set()  # authors of this round's tried deltas
         earlier: list[Rejection] = []
         while not stop.is_set() and (max_rounds is None or len(reports) < max_rounds):
-            if self.state != "waiting":
-                self.state = "idle"
-            newest = find_checkpoint(self.dht, self.spec)
-            if newest is not None and newest.version > current.version:  # another coordinator moved on
-                pull(self.dht, self.spec, newest, self.store, self.blobs, progress=self.progress)
-                current, round_start, backoff = newest, time.monotonic(), self.poll
-                tried, tried_by, earlier = set(), set(), []
-            online = self.online_workers()
-            fresh = [d for d in self.collect(current) if d.blob not in tried and d.author in online]
-            if len(fresh) != seen:
-                seen = len(fresh)
-                log.info("round v%d: %d delta(s) so far", current.version, seen)
-                self.on_event("round", {"version": current.version, "deltas": seen})
-            waited = time.monotonic() - round_start
-            if not self.ready(fresh, waited):
-                if waited >= self.spec.round.max_wait_s and not fresh:
-                    self._wait(f"round v{current.version}: no new deltas from online workers after {waited:.0f} s; "
-                               "still waiting")
-                stop.wait(self.poll)
-                continue
+            fresh: list[DeltaManifest] = []
             try:
-                report = self.merge_round(current, fresh, online, earlier)
-            except RoundRejected as e:
-                tried |= {d.blob for d in fresh}
-                tried_by |= {d.author for d in fresh}
-                earlier = e.rejected
-                if not online <= tried_by:  # an online worker has yet to send its delta: wait for it
-                    backoff = min(2 * backoff, self.spec.round.max_backoff_s)
-                    self._wait(f"round v{current.version}: all {len(fresh)} new delta(s) rejected; waiting for new ones "
-                               f"(next look in {backoff:.0f} s). {e.rejected[0].reason if e.rejected else ''}")
-                    log.warning("%s", e)
-                    stop.wait(backoff)
+                if self.state != "waiting":
+                    self.state = "idle"
+                newest = find_checkpoint(self.dht, self.spec)
+                if newest is not None and newest.version > current.version:  # another coordinator moved on
+                    pull(self.dht, self.spec, newest, self.store, self.blobs, progress=self.progress)
+                    current, round_start, backoff = newest, time.monotonic(), self.poll
+                    tried, tried_by, earlier = set(), set(), []
+                    self.first_seen.clear()
+                online = self.online_workers()
+                fresh = [d for d in self.collect(current) if d.blob not in tried and d.author in online]
+                if len(fresh) != seen:
+                    seen = len(fresh)
+                    log.info("round v%d: %d delta(s) so far", current.version, seen)
+                    self.on_event("round", {"version": current.version, "deltas": seen})
+                waited = time.monotonic() - round_start
+                if not self.ready(fresh, waited):
+                    if waited >= self.spec.round.max_wait_s and not fresh:
+                        self._wait(f"round v{current.version}: no new deltas from online workers after {waited:.0f} s; "
+                                   "still waiting")
+                    stop.wait(self.poll)
                     continue
-                report = self.skip_round(current, e.rejected, e.eval_seed)
+                report: RoundReport | None = None
+                try:
+                    report = self.merge_round(current, fresh, online, earlier)
+                except RoundRejected as e:
+                    rejected, eval_seed = e.rejected, e.eval_seed
+                except SkillswarmError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - no input may stop the loop (module docstring)
+                    log.error("round v%d failed on an unforeseen error; its %d delta(s) count as rejected",
+                              current.version, len(fresh), exc_info=True)
+                    rejected, eval_seed = earlier + failed_round(fresh, e, {r.blob for r in earlier}), None
+                    self._remove_blobs({d.blob for d in fresh}, current)
+                if report is None:
+                    tried |= {d.blob for d in fresh}
+                    tried_by |= {d.author for d in fresh}
+                    earlier = rejected
+                    if not online <= tried_by:  # an online worker has yet to send its delta: wait for it
+                        backoff = min(2 * backoff, self.spec.round.max_backoff_s)
+                        self._wait(f"round v{current.version}: all {len(fresh)} new delta(s) rejected; waiting for new "
+                                   f"ones (next look in {backoff:.0f} s). {rejected[-1].reason if rejected else ''}")
+                        stop.wait(backoff)
+                        continue
+                    report = self.skip_round(current, rejected, eval_seed)
             except SkillswarmError as e:
                 backoff = min(2 * backoff, self.spec.round.max_backoff_s)
                 self._wait(f"round v{current.version} failed: {e}; retrying in {backoff:.0f} s")
                 log.error("round v%d failed: %s", current.version, e)
                 stop.wait(backoff)
                 continue
+            except Exception as e:  # noqa: BLE001 - a bug outside a round's deltas: retried, never a crash loop
+                backoff = min(2 * backoff, self.spec.round.max_backoff_s)
+                self._wait(f"round v{current.version} failed: {type(e).__name__}: {str(e)[:160]}; retrying in "
+                           f"{backoff:.0f} s")
+                log.error("round v%d failed", current.version, exc_info=True)
+                stop.wait(backoff)
+                continue
             reports.append(report)
             current, round_start, seen, backoff = report.manifest, time.monotonic(), -1, self.poll
             tried, tried_by, earlier = set(), set(), []
+            self.first_seen.clear()
             self.note = ""
         return reports
+
+    def _remove_blobs(self, blobs: set[str], current: CheckpointManifest) -> None:
+        """Delete rejected deltas' blobs, except one a kept version merged (a copy re-signed by another key names
+        the same blob, and `--verify` needs the original)."""
+        merged = {ref.blob for v in self.store.versions() if v >= current.version - KEEP_DELTA_ROUNDS
+                  for ref in self.store.manifest(v).included}
+        for blob in blobs - merged:
+            self.blobs.remove(blob)
 
     def _drop_old_deltas(self, version: int) -> None:
         """Delete (and stop serving) the deltas merged into version - KEEP_DELTA_ROUNDS: the blob store holds a

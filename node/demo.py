@@ -68,21 +68,21 @@ class DemoConfig:
 
     out: Path
     skills: list[str]
-    # More, shorter rounds keep more of each gain than fewer, longer ones (same steps in all; see the README):
+    # More, shorter rounds keep more of each gain than fewer, longer ones (same steps in all; see docs/demo.md):
     # every skill re-learns on the merged model, and the last round's deltas, the ones merged last, are small.
     rounds: int = 4
     # The same steps for every skill (time-boxed rounds starve the slow, multi-turn ones): the network's default.
     steps_per_round: int = RoundPolicy().steps_per_round
     # A cap on each round's training, a safety net for slow machines: 50 steps of calc (3.5-6x the tokens of the other
     # skills' steps) took 65 s on one 2-core machine and about 3 minutes on a slower one, where a 2-minute cap
-    # ended its rounds at 12-23 steps (README, "The swarm on a second machine").
+    # ended its rounds at 12-23 steps (docs/nano-model.md, "The swarm on a second machine").
     minutes_per_round: float | None = 3.0
     # The workers' learning rate on vN: lr * lr_decay**N (RoundPolicy.lr_decay); 1: constant. 0.8 kept no more of the
-    # gains in three runs and merged 5 points fewer (README, "What the last round loses").
+    # gains in three runs and merged 5 points fewer (docs/merging.md, "What the last round loses").
     lr_decay: float = 1.0
     method: str = MergePolicy().method
     density: float = MergePolicy().density
-    # The network's: with the workers' retain loss the deltas of a round add up at full strength (README, "The swarm")
+    # The network's: with the workers' retain loss the deltas of a round add up at full strength (docs/demo.md)
     scale: float = MergePolicy().scale
     scale_search: list[float] = field(default_factory=lambda: list(DEFAULT_LAMBDA_SEARCH))  # other lambdas, on evidence
     compare: list[str] = field(default_factory=lambda: ["task_arithmetic@1", "task_arithmetic@0.6"])  # re-merge the last round
@@ -200,7 +200,7 @@ def make_spec(cfg: DemoConfig, base: Path, coordinator: Identity) -> NetworkSpec
 
 def run_demo(cfg: DemoConfig, base: Path, on_status: Callable[[DemoStatus], None] | None = None) -> dict:
     """Run the swarm for `cfg.rounds` rounds and return the report (also written to out/report.json)."""
-    from skillswarm.node.pull import export, find_checkpoint, pull
+    from skillswarm.node.pull import check_out, export, find_checkpoint, pull
     from skillswarm.node.session import open_session
 
     for text in [cfg.method, *cfg.compare]:
@@ -209,6 +209,7 @@ def run_demo(cfg: DemoConfig, base: Path, on_status: Callable[[DemoStatus], None
     status = DemoStatus()
     notify = on_status or (lambda st: None)
     cfg.out.mkdir(parents=True, exist_ok=True)
+    check_out(cfg.out / "final")  # the final checkpoint's export refuses what it did not write: say so now, not at the end
     with swarm(cfg.out) as s:
         coord_key = s.home("coordinator") / "config" / "identity.key"
         spec = make_spec(cfg, base, Identity.load_or_create(coord_key))

@@ -4,11 +4,16 @@ the merged delta and applies it; everything else is fetched file by file by cont
 
 from __future__ import annotations
 
+import errno
+import glob
 import logging
+import os
 import shutil
+import stat
+import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from skillswarm.node.store import CheckpointStore, checkpoint_files, verify_dir
 from skillswarm.protocol.transport.blobs import BlobStore
@@ -120,23 +125,201 @@ def _fetch_all(dht: "SwarmDHT", manifest: CheckpointManifest, store: CheckpointS
 
 def export(store: CheckpointStore, version: int, out: Path) -> Path:
     """Copy a local version to `out` as a plain HF directory with its signed manifest beside it
-    (`manifest.msgpack`, verifiable) and a readable copy (`manifest.json`)."""
+    (`manifest.msgpack`, verifiable) and a readable copy (`manifest.json`). `out` may be new, empty, or an
+    earlier pull, which is replaced whole (`write_out`); anything else is refused."""
     import json
 
     import msgspec
 
     from skillswarm.protocol.atomic import atomic_write_text
 
-    src = store.path(version)
+    def build(new: Path) -> None:
+        shutil.copytree(store.path(version), new)
+        manifest = store.manifest(version)
+        readable = msgspec.to_builtins(manifest) | {"signature": manifest.signature.hex()}
+        atomic_write_text(new / "manifest.json", json.dumps(readable, indent=2, sort_keys=True) + "\n")
+
+    return write_out(out, build, version=version)
+
+
+# ------------------------------------------------------------------------------------- pull --out DIR
+# `pull --out` never deletes what it did not write. Each pull leaves PULL_MARKER in its directory, listing
+# every file it wrote (size and mtime); a later pull replaces that directory only while it holds exactly
+# those files, unchanged. Anything else that is not empty is refused. The new copy is built in a hidden
+# sibling (`.NAME.pull-*`) and renamed into place (swapped atomically with the earlier pull where the
+# filesystem can), so an interrupted pull leaves the earlier one whole.
+
+PULL_MARKER = ".skillswarm-pull.json"
+_STAGING_MARK = ".skillswarm-pull-staging"  # in a staging sibling: the pid of the pull that made it
+_SHOWN = 3  # entries named in an error
+
+
+def _listing(root: Path) -> dict[str, list[int]]:
+    """Everything under `root` but the marker: relative path -> [size, mtime_ns] for a file or symlink,
+    [-1, 0] for a directory."""
+    found: dict[str, list[int]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [*filenames, *dirnames]:
+            path = os.path.join(dirpath, name)
+            rel = os.path.relpath(path, root)
+            st = os.lstat(path)
+            if rel != PULL_MARKER:
+                found[rel] = [-1, 0] if stat.S_ISDIR(st.st_mode) else [st.st_size, st.st_mtime_ns]
+    return found
+
+
+def _some(names: list[str]) -> str:
+    shown = ", ".join(sorted(names)[:_SHOWN])
+    return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
+
+
+def check_out(out: Path) -> dict[str, list[int]] | None:
+    """Whether `pull --out` may write `out`: None when it is new or empty; the files of the earlier pull it
+    holds (to replace) when it is one, untouched. Else a SkillswarmError that says why and what to do."""
+    import json
+
     out = Path(out)
-    tmp = out.with_name(f".{out.name}.pulling")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp)
-    readable = msgspec.to_builtins(store.manifest(version)) | {"signature": store.manifest(version).signature.hex()}
-    atomic_write_text(tmp / "manifest.json", json.dumps(readable, indent=2, sort_keys=True) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    fix = "pick an empty or new directory for --out"
+    if not out.exists():
+        if out.is_symlink():
+            raise SkillswarmError(f"--out {out} is a symlink to nothing; {fix}")
+        return None
+    if not out.is_dir():
+        raise SkillswarmError(f"--out {out} is a file, not a directory; {fix}")
+    try:
+        entries = os.listdir(out)
+    except OSError as e:
+        raise SkillswarmError(f"cannot read --out {out}: {e.strerror}; {fix}") from None
+    if not entries:
+        return None
+    try:
+        marker = json.loads((out / PULL_MARKER).read_text())
+        written = {str(k): [int(v[0]), int(v[1])] for k, v in marker["files"].items()}
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        raise SkillswarmError(f"--out {out} is not empty ({_some(entries)}) and is not an earlier `skillswarm pull`; "
+                              f"pull never deletes what it did not write: {fix}") from None
+    try:
+        have = _listing(out)
+    except OSError as e:
+        raise SkillswarmError(f"cannot read --out {out}: {e.strerror}; {fix}") from None
+    extra = [name for name in have if name not in written]
+    if extra:
+        raise SkillswarmError(f"--out {out} is an earlier pull but also holds files it did not write "
+                              f"({_some(extra)}): move them out, or {fix}")
+    changed = [name for name, seen in written.items() if have.get(name) != seen]
+    if changed:
+        raise SkillswarmError(f"--out {out} is an earlier pull whose files were changed or removed since "
+                              f"({_some(changed)}): move what you want to keep out, or {fix}")
+    return written
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories in one step (Linux renameat2 RENAME_EXCHANGE); False where this system or
+    filesystem cannot."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _remove_pull(root: Path, written: dict[str, list[int]]) -> bool:
+    """Delete an earlier pull: the files and directories it listed, its marker, and `root` once empty.
+    What it did not list stays; whether nothing did."""
+    files = [n for n, (size, _) in written.items() if size >= 0] + [PULL_MARKER]
+    dirs = sorted((n for n, (size, _) in written.items() if size < 0), key=len, reverse=True) + ["."]
+    for name in files:
+        try:
+            (root / name).unlink()
+        except OSError:
+            pass
+    for name in dirs:
+        try:
+            (root / name).rmdir()
+        except OSError:
+            pass
+    return not root.exists()
+
+
+def _clean_staging(out: Path) -> None:
+    """Remove the staging siblings of pulls into `out` that died before they finished (their mark names
+    a process that is gone)."""
+    for stage in out.parent.glob(f".{glob.escape(out.name)}.pull-*"):
+        try:
+            pid = int((stage / _STAGING_MARK).read_text())
+        except (OSError, ValueError):
+            continue  # not ours
+        if pid != os.getpid() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(stage, ignore_errors=True)
+
+
+def write_out(out: Path, build: "Callable[[Path], object]", *, version: int | None = None) -> Path:
+    """Write a pull into `out`: `build(path)` makes the new directory at `path` (which does not exist yet),
+    in a hidden sibling of `out`; then it takes `out`'s place, and an earlier pull there is removed. `out`
+    must be new, empty or an earlier pull (`check_out`); nothing else in it is ever deleted."""
+    import json
+
+    from skillswarm.protocol.atomic import atomic_write_text
+
+    out = Path(os.path.abspath(out))
+    if out.is_symlink() and out.exists():
+        out = out.resolve()  # a link to the directory to use: write there, keep the link
+    check_out(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _clean_staging(out)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.pull-", dir=out.parent))
+    (stage / _STAGING_MARK).write_text(str(os.getpid()))
+    new = stage / "new"
+    earlier_at = None  # where the earlier pull is once it has left `out`
+    try:
+        build(new)
+        like = out if out.is_dir() else stage / "mode"  # an empty or earlier directory keeps its mode; a new
+        like.mkdir(exist_ok=True)  # one gets the mode any new directory gets here (the umask's)
+        os.chmod(new, stat.S_IMODE(os.stat(like).st_mode))
+        marker = {"written_by": "skillswarm pull", "version": version, "files": _listing(new)}
+        atomic_write_text(new / PULL_MARKER, json.dumps(marker, indent=1, sort_keys=True) + "\n")
+        earlier = check_out(out)  # again: the directory may have changed while this pull ran
+        if earlier is None:
+            try:
+                os.rename(new, out)  # over a missing or empty directory
+            except OSError as e:
+                raise SkillswarmError(f"cannot write --out {out}: {e.strerror}; pick an empty or new directory "
+                                      "for --out") from None
+        elif _exchange(new, out):
+            earlier_at = new  # swapped in one step
+        else:
+            earlier_at = stage / "old"
+            os.rename(out, earlier_at)
+            os.rename(new, out)
+    except BaseException:
+        if earlier_at is not None and not os.path.lexists(out):  # between the two renames: put it back
+            try:
+                os.rename(earlier_at, out)
+                earlier_at = None
+            except OSError:
+                pass
+        if earlier_at is None:
+            shutil.rmtree(stage, ignore_errors=True)  # this pull's copy only
+        else:
+            (stage / _STAGING_MARK).unlink(missing_ok=True)  # never removed as a dead pull's
+            log.warning("the earlier pull in %s is kept in %s", out, earlier_at)
+        raise
+    if earlier_at is not None and earlier is not None and not _remove_pull(earlier_at, earlier):
+        (stage / _STAGING_MARK).unlink(missing_ok=True)
+        log.warning("%s holds files the earlier pull in %s did not write (they appeared while it was replaced); "
+                    "they are kept there", earlier_at, out)
+        return out
+    shutil.rmtree(stage, ignore_errors=True)  # its mark only
     return out
 
 

@@ -17,7 +17,7 @@ import torch
 
 LEVEL = 0.9  # the interval's coverage
 RESAMPLES = 2000
-# Held-out tasks per skill of the demo's re-measure. At 300 the README's runs' 90% intervals of a 20-point gain's
+# Held-out tasks per skill of the demo's re-measure. At 300 the demo runs' (docs/demo.md) 90% intervals of a 20-point gain's
 # retention were 12-20 points wide, so an honest 95% often read below 90%; 1000 narrows them by sqrt(1000/300) = 1.8x
 # and re-measuring three models on four skills took about 40 s on 2 cores.
 RETENTION_N = 1000

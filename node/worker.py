@@ -20,7 +20,7 @@ from skillswarm.node.pull import pull, share, wait_for_checkpoint
 from skillswarm.node.store import CheckpointStore, round_dir
 from skillswarm.protocol.atomic import atomic_write_text
 from skillswarm.protocol.codec import decode_record, encode_record
-from skillswarm.protocol.errors import RecordError, SpecError
+from skillswarm.protocol.errors import RecordError, SkillswarmError, SpecError
 from skillswarm.protocol.hardware import probe_hardware
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, NetworkSpec, SkillStats, TrainStats
@@ -37,6 +37,7 @@ STATS_TTL = 300.0
 # What a round's training changes from TrainConfig's defaults: eval only before and after (the figures its delta
 # manifest carries), and a run checkpoint every 10 steps so a restarted worker loses little of its round.
 ROUND_SETTINGS: dict[str, Any] = {"eval_every": 0, "save_every": 10}
+ROUND_RETRY_S = 5.0  # pause after a failed round; it doubles while rounds keep failing, up to RoundPolicy.max_backoff_s
 
 
 @dataclass
@@ -163,33 +164,54 @@ class Worker:
             wait_timeout: float | None = None) -> int:
         """Rounds until `stop` is set, `max_rounds` deltas are published (then it waits for, and pulls, the
         checkpoint that merges the last one, serving its delta meanwhile), or no new checkpoint comes within
-        `wait_timeout` seconds; returns the number of rounds it contributed to."""
+        `wait_timeout` seconds; returns the number of rounds it contributed to. A round that raises (unless `stop`
+        was set meanwhile) is logged with its reason and tried again after a pause."""
         stop = stop or threading.Event()
         self.store.clean_staging()
-        published, newer_than = 0, -1
+        published, newer_than, failures = 0, -1, 0
         last: DeltaManifest | None = None
         while not stop.is_set():
-            self.state = "idle"
-            current = wait_for_checkpoint(self.dht, self.spec, newer_than=newer_than, timeout=wait_timeout, stop=stop)
-            if current is None:
-                break
-            self.state = "pulling"
-            pull(self.dht, self.spec, current, self.store, self.blobs, progress=self.opt.progress)
-            share(self.dht, self.store, self.blobs, current)
-            self.version = current.version
-            self.on_event("pulled", {"version": current.version})
-            if last is not None and last.base_version < current.version:
-                self.dht.forget(last)  # its round is over: stop re-storing it (it expires on its own)
-                last = None
-            if max_rounds is not None and published >= max_rounds:
-                break
-            done = self._published(current.version)
-            if done is not None:
-                log.info("already published a delta for v%d; announcing it again", current.version)
-                self.publish(done)
-                last = done
-            elif (last := self.train_round(current, stop)) is None:
-                break
+            current: CheckpointManifest | None = None
+            try:
+                self.state = "idle"
+                current = wait_for_checkpoint(self.dht, self.spec, newer_than=newer_than, timeout=wait_timeout,
+                                              stop=stop)
+                if current is None:
+                    break
+                self.state = "pulling"
+                pull(self.dht, self.spec, current, self.store, self.blobs, progress=self.opt.progress)
+                share(self.dht, self.store, self.blobs, current)
+                self.version = current.version
+                self.on_event("pulled", {"version": current.version})
+                if last is not None and last.base_version < current.version:
+                    self.dht.forget(last)  # its round is over: stop re-storing it (it expires on its own)
+                    last = None
+                if max_rounds is not None and published >= max_rounds:
+                    break
+                done = self._published(current.version)
+                if done is not None:
+                    log.info("already published a delta for v%d; announcing it again", current.version)
+                    self.publish(done)
+                    last = done
+                elif (last := self.train_round(current, stop)) is None:
+                    break
+            except Exception as e:
+                if stop.is_set():  # the user stopped the worker while the round ran: not a failure to retry
+                    raise
+                # a bad checkpoint or blob from a peer, a network or training error: this round attempt is lost,
+                # not the worker; after a pause (doubling while rounds keep failing) it looks for a checkpoint again
+                failures += 1
+                pause = min(ROUND_RETRY_S * 2 ** min(failures - 1, 20), self.spec.round.max_backoff_s)
+                where = f"v{current.version}" if current is not None else "waiting for a checkpoint"
+                reason = f"{type(e).__name__}: {e}"
+                log.warning("round %s failed (%s); retrying in %.0f s", where, reason, pause,
+                            exc_info=not isinstance(e, SkillswarmError))
+                self.state = "idle"
+                self.on_event("round_failed", {"version": current.version if current is not None else None,
+                                               "error": reason, "retry_in": pause})
+                stop.wait(pause)
+                continue
+            failures = 0
             published += 1
             newer_than = current.version
         self.state = "idle"

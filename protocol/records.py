@@ -45,7 +45,7 @@ ENGINES: tuple[str, ...] = Engine.__args__  # type: ignore[attr-defined]
 CODECS: tuple[str, ...] = Codec.__args__  # type: ignore[attr-defined]
 # The codec workers publish unless a network says otherwise: int8 (one scale per row) lost 0.0 points on
 # every skill against dense bf16 at 1.9x fewer bytes in `bench/codecs.py`; top-k lost 3-35 (RL deltas
-# are dense) and LoRA r4 up to 11 on the nano model (see the README).
+# are dense) and LoRA r4 up to 11 on the nano model (docs/compression-and-transfer.md).
 DEFAULT_CODEC: Codec = "int8"
 MERGE_METHODS: tuple[str, ...] = MergeMethod.__args__  # type: ignore[attr-defined]
 AGGREGATORS: tuple[str, ...] = Aggregator.__args__  # type: ignore[attr-defined]
@@ -174,7 +174,7 @@ class RoundPolicy(_Part, kw_only=True):
     """When a round ends (enough deltas, or the wait ran out), and how long its downloads may take."""
 
     # 100: at 50 steps a round arith gained under +15 in 3 of 4 demo runs (+11.3 to +12.7); at 100 every skill
-    # gained +15 or more in 3 of 3 (README, "Rounds of 100 steps, TIES and retain 2").
+    # gained +15 or more in 3 of 3 (docs/demo.md, "Rounds of 100 steps, TIES and retain 2").
     steps_per_round: Annotated[int, Meta(ge=1, le=1_000_000)] = 100
     min_deltas: Annotated[int, Meta(ge=1, le=4096)] = 1
     max_wait_s: Annotated[float, Meta(gt=0.0, le=1e7)] = 900.0
@@ -183,7 +183,7 @@ class RoundPolicy(_Part, kw_only=True):
     # The workers' learning rate on checkpoint vN is lr * lr_decay**N, never below MIN_LR_FACTOR * lr (the decaying
     # step size federated averaging needs to converge over many rounds). UNSET (the default, and every file written
     # before this existed) encodes as nothing and keeps the rate constant. Opt-in: in the 4-round nano demo 0.8 did
-    # not keep more of each gain and merged 5 points fewer (README, "What the last round loses").
+    # not keep more of each gain and merged 5 points fewer (docs/merging.md, "What the last round loses").
     lr_decay: Annotated[float, Meta(gt=0.0, le=1.0)] | UnsetType = UNSET
 
     def lr_factor(self, version: int) -> float:
@@ -198,9 +198,9 @@ class MergePolicy(_Part, kw_only=True):
 
     # TIES at lambda 1 (signs elected): at 100 steps a round the summed deltas of task arithmetic overshoot (reverse
     # lost 12-23 points from one round's sum), TIES kept each skill within two points of where the round started, or
-    # above it (README, "Rounds of 100 steps, TIES and retain 2"; bench/interference.py). Half of each delta kept,
+    # above it (docs/demo.md, "Rounds of 100 steps, TIES and retain 2"; bench/interference.py). Half of each delta kept,
     # not 30%: trimming cost a late round's small deltas a quarter of their gain, and replayed last rounds kept
-    # >= 90% of every gain in 11 of 12 runs at 0.5 against 8 at 0.3 (README, "Saturated skills and deltas on credit").
+    # >= 90% of every gain in 11 of 12 runs at 0.5 against 8 at 0.3 (docs/screening-and-merge-guard.md, "Saturated skills and deltas on credit").
     method: MergeMethod = "ties"
     aggregator: Aggregator = "mean"  # within one skill's deltas
     density: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.5
@@ -223,7 +223,7 @@ class MergePolicy(_Part, kw_only=True):
 
 
 # A demo's first deltas, large and trained from one model, lost 10-21 points (summed over the 4 skills) to their
-# specialists merged at lambda 1 and 6-11 at 1.25-1.5; later rounds were best at 1 (README, "Choosing lambda on
+# specialists merged at lambda 1 and 6-11 at 1.25-1.5; later rounds were best at 1 (docs/merging.md, "Choosing lambda on
 # evidence").
 DEFAULT_LAMBDA_SEARCH = (1.25, 1.5)
 
@@ -258,7 +258,7 @@ class ScreenPolicy(_Part, kw_only=True):
     min_cosine: Annotated[float, Meta(ge=-1.0, le=1.0)] = 0.0  # against the consensus of the skill's other deltas
     history_rounds: Annotated[int, Meta(ge=1, le=1000)] = 8  # checkpoints the norm history is read from
     # A skill the parent already solves this well (its first-look accuracy) takes no delta in the round: its delta
-    # has no gain left to show and costs the other skills (README, "Saturated skills and deltas on credit").
+    # has no gain left to show and costs the other skills (docs/screening-and-merge-guard.md, "Saturated skills and deltas on credit").
     saturated_at: Annotated[float, Meta(gt=0.0, le=1.0)] | UnsetType = UNSET
     # A delta whose own-skill test is inconclusive (not significantly better, not significantly worse), that costs
     # no other skill beyond `max_other_drop`, that changes at least CREDIT_MIN_CHANGE of its skill's tasks
@@ -271,7 +271,7 @@ class ScreenPolicy(_Part, kw_only=True):
     # With saturation: a saturated skill's delta is judged as a repair of its first `repair_layers` decoder layers
     # (with credit's floor set aside) and, when it passes, merged there only, instead of held in reserve. In the demo
     # the first of three layers held 89% of what a saturated reverse's whole delta repaired, at 31% of its cost to
-    # sort (README, "A saturated skill repaired in its first layer"). UNSET (as in older files): the reserve.
+    # sort (docs/screening-and-merge-guard.md, "A saturated skill repaired in its first layer"). UNSET (as in older files): the reserve.
     repair_layers: Annotated[int, Meta(ge=1, le=1024)] | UnsetType = UNSET
 
     @classmethod
@@ -409,8 +409,11 @@ class ProviderRecord(Record, tag="provider", kw_only=True):
 AnyRecord = Union[NetworkSpec, PeerRecord, DeltaManifest, CheckpointManifest, SkillStats, ProviderRecord]
 RECORD_TYPES: tuple[type[Record], ...] = AnyRecord.__args__  # type: ignore[attr-defined]
 
-# Encoded-size caps per kind. DHT values stay a few KB (larger ones crash hivemind's DHT pipe);
-# a checkpoint manifest, the largest, travels as a blob referenced from the DHT when it grows.
+# Encoded-size caps per kind. DHT values stay a few KB: a read of a key carries all its values in one message,
+# which p2pd caps at 4 MiB, and every peer bounds what a key holds (`transport.storage_caps.MAX_BYTES_PER_KEY`,
+# a quarter of that): the smaller the records, the more authors one key holds (1024 heartbeats of ~1 KB), and
+# the fewer bytes a flood of records at their cap moves. Every peer storing or returning a value also decodes
+# and verifies it whole. A checkpoint manifest, the largest, travels as a blob referenced from the DHT when it grows.
 MAX_BYTES: dict[str, int] = {
     "network": 64 * 1024,
     "peer": 8 * 1024,

@@ -1,4 +1,4 @@
-"""Bad input and unforeseen failures end in one clear line on stderr, never a traceback (issue 17)."""
+"""Bad input and unforeseen failures end in one clear line on stderr, never a traceback."""
 
 from __future__ import annotations
 

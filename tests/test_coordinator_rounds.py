@@ -1,6 +1,7 @@
 """A coordinator's round on real peers (127.0.0.1): only online workers' deltas count, an empty round says
 so in `net status`, and a round whose deltas are all rejected backs off, deletes their blobs, does not
-retry them, and lists them in the manifest of the round that finally merges."""
+retry them, and lists them in the manifest of the round that finally merges. No delta stops the coordinator: a
+crafted file is rejected with its reason, and an error no step foresaw fails only that round's attempt."""
 
 from __future__ import annotations
 
@@ -75,12 +76,16 @@ class Swarm:
         values = {k: torch.randn(v.shape, generator=g) * 1e-3 for k, v in base.items() if v.is_floating_point()}
         info = encode_delta(values, self.tmp / f"d{seed}.safetensors", "dense_fp32", base_hash=self.spec.base_hash,
                             skill="sort")
+        return self.publish_file(worker, info.path, lie.get("norm", info.norm), info.num_tensors)
+
+    def publish_file(self, worker: SwarmDHT, path: Path, norm: float, num_tensors: int) -> DeltaManifest:
+        """Serve the delta file at `path` from `worker` and put its manifest (for the nano base, skill sort)."""
         store = BlobStore(self.tmp / f"w-{worker.identity.peer_id[:8]}")
-        sha = store.add_file(info.path, move=True)
+        size = path.stat().st_size
+        sha = store.add_file(path, move=True)
         worker.provide(sha, store=store)
         manifest = DeltaManifest(network=NET, skill="sort", base_version=0, base_hash=self.spec.base_hash, blob=sha,
-                                 size=info.size, codec="dense_fp32", norm=lie.get("norm", info.norm),
-                                 num_tensors=info.num_tensors)
+                                 size=size, codec="dense_fp32", norm=norm, num_tensors=num_tensors)
         assert worker.put(manifest, 600, keep=True)
         return manifest
 
@@ -191,3 +196,58 @@ def test_verify_recomputes_a_delta_merged_as_a_repair_of_its_first_layers(swarm:
     assert verify_checkpoint(swarm.spec, swarm.dht, store, swarm.blobs, v1).match
     assert not verify_checkpoint(swarm.spec, swarm.dht, store, swarm.blobs,
                                  msgspec.structs.replace(v1, included=as_repair)).match
+
+
+def _crafted(path: Path, shape: list) -> Path:
+    """`path`'s safetensors file with its first tensor's header shape replaced by `shape` (JSON's Infinity allowed):
+    what a hostile worker can publish, byte for byte."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    name = next(k for k in sorted(header) if k != "__metadata__")
+    header[name]["shape"] = shape
+    text = json.dumps(header).encode()
+    out = path.with_name(f"crafted-{path.name}")
+    out.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+    return out
+
+
+def test_a_crafted_header_is_rejected_with_its_reason_and_the_round_goes_on(swarm: Swarm) -> None:
+    """A delta whose header says `"shape": [Infinity, 8]` (which Python's int() cannot take) is rejected at the file
+    checks; the coordinator, whose only online worker sent it, ends the round with the weights unchanged."""
+    g = torch.Generator().manual_seed(9)
+    base = load_file(str(swarm.base / "model.safetensors"))
+    values = {k: torch.randn(v.shape, generator=g) * 1e-3 for k, v in base.items() if v.is_floating_point()}
+    info = encode_delta(values, swarm.tmp / "honest-bytes.safetensors", "dense_fp32", base_hash=swarm.spec.base_hash,
+                        skill="sort")
+    crafted = _crafted(info.path, [float("inf"), 8])
+    bad = swarm.publish_file(swarm.worker(online=True), crafted, info.norm, info.num_tensors)
+    swarm.thread.join(120)
+    store = swarm.coordinator.store
+    assert store.has(1), "the coordinator stopped instead of rejecting the crafted delta"
+    v1 = store.manifest(1)
+    [rej] = v1.rejected
+    assert v1.included == [] and rej.blob == bad.blob and rej.step == "inspect", rej
+    assert "Infinity" in rej.reason, rej.reason
+
+
+def test_an_error_no_step_foresaw_fails_the_round_attempt_not_the_coordinator(swarm: Swarm) -> None:
+    """Whatever a round step raises, the loop goes on: the attempt's deltas are listed as rejected with the error
+    (not held against their keys) and, their worker having sent all it will, the round ends unchanged."""
+    from skillswarm.node.rounds import Candidate, RoundContext
+
+    class Broken:
+        name = "broken"
+
+        def __call__(self, ctx: RoundContext, candidates: list[Candidate]) -> list[Candidate]:
+            raise OverflowError("cannot convert float infinity to integer")
+
+    swarm.coordinator.strategy.steps.insert(0, Broken())
+    delta = swarm.publish(swarm.worker(online=True), seed=10)
+    swarm.thread.join(120)
+    store = swarm.coordinator.store
+    assert store.has(1), "the coordinator stopped on the step's error"
+    v1 = store.manifest(1)
+    [rej] = v1.rejected
+    assert rej.blob == delta.blob and rej.step == "round" and "OverflowError" in rej.reason
+    assert rej.figures["harmful"] == 0.0 and v1.weights_hash == store.manifest(0).weights_hash

@@ -34,6 +34,7 @@ from tests.net_helpers import signed_dht_record
 
 NET = "capped"
 DELTA_CAP = MAX_VALUES_PER_AUTHOR["delta"]
+T0 = time.time() - 3600  # records made an hour ago: fresh enough for every peer's validator, `created` + i orders them
 coordinator, mallory = Identity.generate(), Identity.generate()
 
 
@@ -75,15 +76,15 @@ def _author(usage: dict, who: Identity) -> dict:
 # ---- the accounting, on one storage -------------------------------------------------------------
 def test_a_flood_by_one_author_keeps_only_its_newest_values() -> None:
     storage = CappedStorage()
-    flood = [_value(mallory, _delta(mallory, f"made-up-{i}", 0, created=1000.0 + i)) for i in range(3 * DELTA_CAP)]
+    flood = [_value(mallory, _delta(mallory, f"made-up-{i}", 0, created=T0 + i)) for i in range(3 * DELTA_CAP)]
     assert all(_put(storage, item) for item in flood)  # each newer one displaces the oldest
     usage = storage.ledger.usage()
     assert usage["values"] == DELTA_CAP and _author(usage, mallory)["values"] == {"delta": DELTA_CAP}
     kept = sorted(s for s, _ in storage.get(DHTID.from_bytes(flood[0][0])).value.items())
     assert kept == sorted(msgspec.msgpack.decode(item[1]) for item in flood[-DELTA_CAP:])
     # an older record than all it keeps is refused; another author is not affected by mallory's flood
-    assert not _put(storage, _value(mallory, _delta(mallory, "late", 0, created=1.0)))
-    assert _put(storage, _value(coordinator, _delta(coordinator, "arith", 0, created=1.0)))
+    assert not _put(storage, _value(mallory, _delta(mallory, "late", 0, created=T0 - 1)))
+    assert _put(storage, _value(coordinator, _delta(coordinator, "arith", 0, created=T0 - 1)))
 
 
 def test_replacing_a_value_counts_once_and_expired_values_stop_counting() -> None:
@@ -101,17 +102,20 @@ def test_replacing_a_value_counts_once_and_expired_values_stop_counting() -> Non
     assert storage.ledger.usage()["values"] == 1 and coordinator.public_key_hex not in storage.ledger.usage()["authors"]
 
 
-def test_a_full_key_refuses_new_subkeys_but_takes_replacements(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_full_key_drops_its_first_stored_value_and_takes_replacements(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(storage_caps, "MAX_SUBKEYS_PER_KEY", 4)
     storage = CappedStorage()
     authors = [Identity.generate() for _ in range(5)]
-    assert [_put(storage, _value(a, _peer_record(a))) for a in authors] == [True] * 4 + [False]
-    assert _put(storage, _value(authors[0], _peer_record(authors[0]), ttl=900))
+    assert [_put(storage, _value(a, _peer_record(a))) for a in authors] == [True] * 5
+    peers = DHTID.generate(source=keys.peers_key(NET))
+    assert {s for s, _ in storage.get(peers).value.items()} == {a.public_key_hex for a in authors[1:]}  # first out
+    assert _put(storage, _value(authors[1], _peer_record(authors[1]), ttl=900))
+    assert storage.ledger.usage()["values"] == 4
 
 
 def test_the_byte_caps_per_author_and_per_peer(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(storage_caps, "MAX_BYTES_PER_AUTHOR", 40_000)
-    big = [_value(coordinator, _checkpoint(coordinator, v, created=100.0 + v, files=40)) for v in range(1, 9)]
+    big = [_value(coordinator, _checkpoint(coordinator, v, created=T0 + v, files=40)) for v in range(1, 9)]
     size = len(big[0][2])
     assert 10_000 < size < 20_000
     storage = CappedStorage()
@@ -129,7 +133,7 @@ def test_the_byte_caps_per_author_and_per_peer(monkeypatch: pytest.MonkeyPatch) 
 def test_reads_hand_out_copies_and_install_readmits_what_was_stored() -> None:
     plain = DHTLocalStorage()  # what hivemind stored while the node joined, before the caps were installed
     for i in range(2 * DELTA_CAP):
-        key, subkey, value, expiration = _value(mallory, _delta(mallory, f"s{i}", 0, created=float(i)))
+        key, subkey, value, expiration = _value(mallory, _delta(mallory, f"s{i}", 0, created=T0 + i))
         plain.store(DHTID.from_bytes(key), value, expiration, subkey=msgspec.msgpack.decode(subkey))
     node = SimpleNamespace(protocol=SimpleNamespace(storage=plain, cache=DHTLocalStorage()))
     install(node)
@@ -165,13 +169,13 @@ def _seeded(i: int) -> Identity:
 def _flood(i: int) -> tuple[str, str, bytes, float]:
     """500 deltas under invented skills, then 100 under a real skill on base versions 0-99, newest last."""
     skill, version = (f"made-up-{i}", i % 10) if i < 500 else ("arith", i - 500)
-    record = _delta(mallory, skill, version, created=1_700_000_000.0 + i)
+    record = _delta(mallory, skill, version, created=T0 + i)
     return (*keys.locations(record)[0], encode_record(record), time.time() + 3600)
 
 
 def _big(i: int) -> tuple[bytes, bytes, bytes, float]:
     """The coordinator's manifest of version i, ~17 KB (64 files)."""
-    return _value(coordinator, _checkpoint(coordinator, i, created=1000.0 + i, files=64))
+    return _value(coordinator, _checkpoint(coordinator, i, created=T0 + i, files=64))
 
 
 def _crowd(i: int) -> tuple[bytes, bytes, bytes, float]:
@@ -293,11 +297,13 @@ def test_the_byte_cap_per_author_and_the_subkey_cap_per_key_hold(peers: list[Swa
     assert _store_at_all(sender, host, make=_big, lo=1, hi=2) == [False]  # older than everything it keeps
     newest = [keys.checkpoint_key(NET, v) for v in range(301 - kept, 301)]
     assert all(host.run_coroutine(_stored_subkeys, keys=newest).values())
-    # One key, more authors than it may hold: the first MAX_SUBKEYS_PER_KEY are stored, the rest refused.
+    # One key, more authors than it may hold: each value past MAX_SUBKEYS_PER_KEY displaces the one stored first.
     ok = _store_at_all(sender, host, make=_crowd, lo=1, hi=MAX_SUBKEYS_PER_KEY + 51, chunk=200)
-    assert ok == [True] * MAX_SUBKEYS_PER_KEY + [False] * 50
-    assert host.storage_usage()["storage"]["keys"][DHTID.generate(source=keys.peers_key(NET)).to_bytes().hex()] \
-        == MAX_SUBKEYS_PER_KEY
+    assert ok == [True] * (MAX_SUBKEYS_PER_KEY + 50)
+    peers = keys.peers_key(NET)
+    assert host.storage_usage()["storage"]["keys"][DHTID.generate(source=peers).to_bytes().hex()] == MAX_SUBKEYS_PER_KEY
+    held = set(host.run_coroutine(_stored_subkeys, keys=[peers])[peers])
+    assert held == {_seeded(i).public_key_hex for i in range(51, MAX_SUBKEYS_PER_KEY + 51)}
     first = _seeded(1)
     assert _store_at_all(sender, host, [_value(first, _peer_record(first), ttl=600)]) == [True]  # a heartbeat
 

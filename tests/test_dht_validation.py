@@ -176,7 +176,10 @@ def test_an_allowlist_network_stores_deltas_of_listed_workers_only() -> None:
     assert not check(_stored(_delta(bob), bob))
     stats = bob.sign_record(SkillStats(network=NET, skill="arith", checkpoint_version=1, stats=TrainStats()))
     assert not check(_stored(stats, bob))  # nor the training progress of a key that may not train
-    assert check(_stored(_peer(bob), bob))  # anyone may still announce itself (observers, coordinators)
+    # heartbeats (and provider records) too: only the network's members announce themselves, so no flood from
+    # outside fills its keys
+    assert not check(_stored(_peer(bob), bob))
+    assert check(_stored(_peer(alice), alice))
     # the open network that lists the same keys admits anyone
     open_spec = _spec(trust=TrustPolicy(admission="open", workers=[alice.public_key_hex]))
     assert OwnerSignatureValidator(policy=StorePolicy.from_spec(open_spec)).validate(_stored(_delta(bob), bob))
@@ -187,3 +190,12 @@ def test_only_own_subkeys_get_signed() -> None:
     rec = DHTRecord(DHTID.generate(source=key).to_bytes(), msgspec.msgpack.encode(bob_sub), b"value", time.time() + 5)
     assert OwnerSignatureValidator(alice).sign_value(rec) == b"value"
     assert OwnerSignatureValidator(None).sign_value(rec) == b"value"
+
+
+def test_a_subkey_nested_deeper_than_any_parser_goes_is_dropped_not_raised() -> None:
+    # 100,000 nested msgpack arrays: an untyped decode recursed until RecursionError, which escaped the validator
+    deep = b"\x91" * 100_000 + b"\xc0"
+    rec = DHTRecord(key=DHTID.generate(source="k").to_bytes(), subkey=deep, value=b"x" * 100,
+                    expiration_time=time.time() + 60)
+    assert validator.validate(rec) is False
+    assert OwnerSignatureValidator(Identity.generate()).sign_value(rec) == rec.value

@@ -10,6 +10,8 @@ left). The first attack is the one that defeated the old audit-hook guard.
 
 from __future__ import annotations
 
+import ast
+import errno
 import glob
 import os
 import signal
@@ -30,7 +32,8 @@ from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.paths import default_key_path
 from skillswarm.skills.environment import Environment
 from skillswarm.skills.nano.build import cached_path
-from skillswarm.skills.sandbox import PythonSandbox, SandboxLimits, SandboxResult, run_python
+from skillswarm.skills.sandbox import PythonSandbox, SandboxError, SandboxLimits, SandboxResult, launch, run_python
+from skillswarm.skills.sandbox.bwrap import bwrap_path
 from skillswarm.skills.sandbox.seccomp import DENIED, machine
 from tests.net_helpers import wait_for
 from skillswarm.skills.taskbank import Task
@@ -121,6 +124,28 @@ ATTACKS: dict[str, str] = {
         "import threading, time\nfor _ in range(50):\n    threading.Thread(target=time.sleep, args=(1,)).start()"),
     "5 MB of output": "print('x' * 5_000_000)",
     "fill the disk": "for i in range(64):\n    open(f'f{{i}}', 'wb').write(b'x' * (1 << 20))",
+    "aio bomb: take the host's whole fs.aio-max-nr": (
+        "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nctx = ctypes.c_ulong(0)\n"
+        "assert libc.syscall({io_setup}, 65536, ctypes.byref(ctx)) == 0, os.strerror(ctypes.get_errno())"),
+    "inode bomb: 300k empty files in the work dir": (
+        "for i in range(300_000):\n    open(f'{{i}}', 'w').close()"),
+    "thread bomb: 2000 small threads": (
+        "import threading\nthreading.stack_size(32768)\nstop = threading.Event()\n"
+        "try:\n    for _ in range(2000):\n        threading.Thread(target=stop.wait).start()\nfinally:\n    stop.set()"),
+    "System V message queues of kernel memory": (
+        "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "assert libc.msgget(0, 0o1600) >= 0, os.strerror(ctypes.get_errno())"),
+    "System V shared memory outside RLIMIT_AS": (
+        "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "assert libc.shmget(0, 64 << 20, 0o1600) >= 0, os.strerror(ctypes.get_errno())"),
+    "inotify instances of the host's user": (
+        "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "assert libc.inotify_init1(0) >= 0, os.strerror(ctypes.get_errno())"),
+    "POSIX timer bomb": (
+        "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nt = ctypes.c_void_p()\n"
+        "event = (ctypes.c_int * 16)(0, 0, 0, 1)  # sigevent: SIGEV_NONE\n"
+        "for i in range(10_000):\n"
+        "    assert libc.timer_create(1, event, ctypes.byref(t)) == 0, (i, os.strerror(ctypes.get_errno()))"),
 }
 
 
@@ -280,3 +305,90 @@ def test_without_seccomp_the_namespace_still_kills_daemons_and_session_leaders()
         assert result.stdout.startswith("up") and result.killed == killed, result
         assert _gone(marker)
         time.sleep(0.05)
+
+
+# ------------------------------------------------------------ kernel memory and host-wide tables
+
+
+def _sandbox_or_skip() -> None:
+    try:
+        bwrap_path()
+    except SandboxError as e:
+        pytest.skip(f"no sandbox on this machine: {e}")
+
+
+def _aio(name: str) -> int:
+    return int(Path("/proc/sys/fs", name).read_text())
+
+
+@pytest.mark.skipif(not Path("/proc/sys/fs/aio-nr").exists(), reason="this kernel has no Linux AIO (fs.aio-nr): nothing to take")
+def test_an_aio_bomb_is_refused_and_the_hosts_aio_table_is_untouched() -> None:
+    """io_setup reserves from the host-wide fs.aio-max-nr: one run once held all 65,536 and the host's own
+    io_setup failed. It is refused, and the host's aio-nr never moves while the run holds what it got."""
+    _sandbox_or_skip()
+    before = _aio("aio-nr")
+    want = max(1, _aio("aio-max-nr") - before)
+    code = ("import ctypes, errno, time\nlibc = ctypes.CDLL(None, use_errno=True)\nctx = ctypes.c_ulong(0)\n"
+            f"got = libc.syscall({SYS['io_setup']}, {want}, ctypes.byref(ctx))\n"
+            "print(got, errno.errorcode.get(ctypes.get_errno()), flush=True)\ntime.sleep(1.0)  # hold it, if it got one\n")
+    done: list[SandboxResult] = []
+    runner = threading.Thread(target=lambda: done.append(run_python(code, SandboxLimits(wall_seconds=30.0))))
+    runner.start()
+    seen = [before]
+    while runner.is_alive():
+        seen.append(_aio("aio-nr"))
+        time.sleep(0.01)
+    runner.join()
+    (result,) = done
+    got, err = result.stdout.split()
+    assert result.ok and got == "-1" and err in ("EPERM", "ENOSYS"), result
+    assert max(seen) < before + want, f"the run reserved {max(seen) - before} of the host's aio events"
+
+
+def test_an_inode_bomb_stops_at_the_work_dirs_inode_limit() -> None:
+    """Empty files cost no bytes, so a size-capped tmpfs alone let one run make ~290k of them (the host's
+    slab grew by 350 MB). The work dir caps its inodes: files, directories, symlinks and hard links."""
+    _sandbox_or_skip()
+    if not launch.mount_mode(bwrap_path()):
+        pytest.skip("the launcher cannot mount the work dir here (neither root with CAP_SYS_ADMIN nor a user "
+                    "allowed a user namespace that may mount a tmpfs): it is bwrap's tmpfs, with no inode limit")
+    limits = SandboxLimits(cpu_seconds=10, wall_seconds=60.0)
+    code = (
+        "import os\ndef bomb(make):\n    n = 0\n    try:\n        while n < 300_000:\n            make(n); n += 1\n"
+        "    except OSError as e:\n        return n, e.errno\n    return n, None\n"
+        "files = bomb(lambda i: open(f'f{i}', 'w').close())\n"
+        "for i in range(1, files[0]):\n    os.unlink(f'f{i}')\n"
+        "links = bomb(lambda i: os.link('f0', f'l{i}'))\n"
+        "for i in range(links[0]):\n    os.unlink(f'l{i}')\n"
+        "dirs = bomb(lambda i: os.mkdir(f'd{i}'))\n"
+        "for i in range(dirs[0]):\n    os.rmdir(f'd{i}')\n"
+        "symlinks = bomb(lambda i: os.symlink('f0', f's{i}'))\n"
+        "print([files, links, dirs, symlinks])\n")
+    result = run_python(code, limits)
+    assert result.ok, result
+    counts = ast.literal_eval(result.stdout)  # four (count, errno) pairs
+    # the dir itself and main.py are two of the inodes; one file is kept for the links
+    assert counts[0] == (limits.disk_files - 2, errno.ENOSPC), counts
+    assert all(n <= limits.disk_files - 2 and e == errno.ENOSPC for n, e in counts[1:]), counts
+    assert limits.disk_files < 290_000 // 10
+
+
+def test_a_thread_bomb_stops_at_the_process_bound_even_for_root() -> None:
+    """RLIMIT_NPROC is not enforced for root (one run made 780 threads in its memory limit): each run gets
+    its own pids cgroup where one can be made; as another user RLIMIT_NPROC bounds it."""
+    _sandbox_or_skip()
+    if os.geteuid() == 0 and launch.pids_parent() is None:
+        pytest.skip("the node runs as root but no pids cgroup hierarchy is writable here (a container without "
+                    "one?): only the memory limit bounds its threads")
+    limits = SandboxLimits(processes=8, memory_bytes=1 << 30, wall_seconds=60.0)
+    code = ("import threading\nthreading.stack_size(32768)\nstop = threading.Event()\nn = 0\ntry:\n"
+            "    while n < 2000:\n        threading.Thread(target=stop.wait).start(); n += 1\n"
+            "except RuntimeError as e:\n    print(n, e)\nstop.set()\n")
+    result = run_python(code, limits)
+    assert result.ok and "can't start new thread" in result.stdout, result
+    started = int(result.stdout.split()[0])
+    assert 1 <= started < limits.processes, started  # the main thread is one of the run's tasks
+    parent = launch.pids_parent()
+    if parent is not None:  # each run's cgroup goes with it (at the latest when the kernel has released its tasks)
+        launch.sweep()
+        assert not list(parent.glob(f"run-{os.getpid()}-*"))

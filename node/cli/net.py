@@ -90,8 +90,9 @@ def init(
                                                       min=0.0, max=1.0)] = None,
     min_deltas: Annotated[int, typer.Option(help="Deltas a coordinator waits for before merging.", min=1)] = _ROUND.min_deltas,
     max_wait: Annotated[float, typer.Option(help="Seconds a round waits at most.")] = _ROUND.max_wait_s,
-    admission: Annotated[str, typer.Option(help=f"Who may publish deltas: {', '.join(ADMISSIONS)} (allowlist: only "
-                                                "the --worker keys).")] = _TRUST.admission,
+    admission: Annotated[str, typer.Option(help=f"Who may publish deltas, heartbeats and provider records: "
+                                                f"{', '.join(ADMISSIONS)} (allowlist: only the --worker keys, the "
+                                                "coordinators and the bootstrap peers; anyone may still read and pull).")] = _TRUST.admission,
     worker: Annotated[Optional[list[str]], typer.Option(help="An allowed worker's public key (hex); repeatable.")] = None,
     screen_eval_n: Annotated[int, typer.Option(help="Held-out tasks per skill a coordinator evaluates each delta on "
                                                     "before merging it; 0 turns the usefulness test off.",

@@ -28,13 +28,19 @@ def pull_cmd(
 ) -> None:
     """Pull a checkpoint signed by a trusted coordinator into OUT (config, tokenizer, safetensors, plus
     manifest.msgpack (signed) and manifest.json); every file is verified by hash. With --adapter, OUT is a
-    PEFT adapter directory instead (adapter_config.json, adapter_model.safetensors, manifest.msgpack)."""
+    PEFT adapter directory instead (adapter_config.json, adapter_model.safetensors, manifest.msgpack).
+    OUT must be new, empty, or an earlier pull, which is replaced (pull never deletes what it did not write)."""
     from skillswarm.merge.codecs import DEFAULT_PARAMS
-    from skillswarm.node.pull import export, find_checkpoint, pull
+    from skillswarm.node.pull import check_out, export, find_checkpoint, pull, write_out
     from skillswarm.node.session import open_session
+    from skillswarm.protocol.errors import SkillswarmError
 
     if rank is not None and not adapter:
         fail("--rank is the rank of an adapter; add --adapter")
+    try:
+        check_out(out)  # before fetching anything: refused now, not after a long download
+    except SkillswarmError as e:
+        fail(str(e))
     rank = rank or int(DEFAULT_PARAMS["lora"]["rank"])
     info = None
 
@@ -56,7 +62,10 @@ def pull_cmd(
             if genesis is None:
                 fail(f"the genesis checkpoint (the base model) of {s.spec.network} was not found; an adapter needs it")
             pull(s.dht, s.spec, genesis, s.store, s.blobs, progress=not json)
-            info = export_checkpoint_adapter(s.store, s.spec, manifest.version, out, rank, progress=not json)
+            made = []
+            write_out(out, lambda new: made.append(export_checkpoint_adapter(
+                s.store, s.spec, manifest.version, new, rank, progress=not json)), version=manifest.version)
+            info = made[0]
     if json:
         data = {"version": manifest.version, "weights_hash": manifest.weights_hash, "out": str(out),
                 "files": [f.path for f in manifest.files]}

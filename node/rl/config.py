@@ -129,7 +129,7 @@ class TrainConfig:
     # skills (up to `retain_n` each, from at most anchor.MAX_TRIES * retain_n tasks, new tasks every seed), so that
     # a delta changes its own skill only. A worker retains its network's other skills (`node run --retain`, 0 turns
     # it off); `train` the skills given. In the demo it made the four skills' deltas add up at lambda 1 (merged sum
-    # 289-293 points against 270-286 without it; README, "The swarm"). 2: at 100 steps a round weight 1 let the other
+    # 289-293 points against 270-286 without it; docs/demo.md). 2: at 100 steps a round weight 1 let the other
     # skills' deltas cost arith 3 points a round, weight 3 stalled sort; 2 kept >= 86% of every gain in 2 of 3 runs.
     retain: float = 2.0
     retain_skills: tuple[str, ...] = ()
@@ -137,7 +137,7 @@ class TrainConfig:
     # The share of each skill's anchors that are its least confident right answers (anchor.confidence), picked from
     # all anchor.MAX_TRIES * retain_n tasks; the rest are the first right answers. Random anchors of a skill solved 99
     # times in 100 hold almost none of the answers a merge flips: in five demo rounds of sort's training, reverse lost
-    # 2.5-4.6 points with 0 and 0.6-1.8 with 0.5, the other skills about the same (README, "Fragile anchors").
+    # 2.5-4.6 points with 0 and 0.6-1.8 with 0.5, the other skills about the same (docs/retain-anchors.md, "Fragile anchors").
     retain_fragile: float = 0.5
     retain_batch: int = 16  # retain episodes per optimizer step
     lr: float = 2e-4

@@ -4,8 +4,21 @@
 another base, by a key the network does not admit or whose reputation is below the floor, by a worker
 that stopped heartbeating, announcing a file larger than any encoding of this model can be, or claiming
 a norm outside the skill's history. `Caps` then bounds what one key and one round may cost: at most
-`max_deltas_per_author` per key and `max_deltas_per_round` in all, best reputation first; the rest are
-counted as omitted (a flood of sybil deltas must not grow the manifest).
+`max_deltas_per_author` per key and `max_deltas_per_round` in all; the rest are counted as omitted (a flood of
+sybil deltas must not grow the manifest).
+
+Who gets the round's slots, in order (`slot_order`):
+1. keys with a record above a fresh key's (reputation.TIER_PROVEN), best reputation first: their work was merged;
+2. every other key (fresh ones, and those at or below a fresh key's score, best score first);
+3. absent keys, whose deltas never arrived more often than they were merged (reputation.py, "No-shows"): a key
+   that announces and never serves would otherwise hold slots every round at no cost.
+Within a tier, keys of equal score queue in the order of a draw on the round's eval seed (`RoundContext.lot`), which
+is picked after publication, so no author can buy a place: not by the `created` time it writes into its own manifest
+(32 sybil deltas claiming `created = 0` used to take every slot), not by grinding keys or blobs. A key's own deltas
+keep the order it gave them (`created`), which moves no other key. Fresh keys stay cheap: against k fresh sybil keys
+an honest fresh key gets one of the s slots the proven keys leave in about s / (k + 1) of rounds (and each sybil
+key that never serves its blob drops to the back after its first no-show); only a record, or an allowlist, buys a
+sure place.
 """
 
 from __future__ import annotations
@@ -16,6 +29,7 @@ from skillswarm.merge.screening import norm_outlier
 from skillswarm.node.rounds.context import Candidate, RoundContext
 from skillswarm.node.rounds.reputation import Reputation, reputation_of, reputations
 from skillswarm.protocol.records import CheckpointManifest
+
 
 def skill_norm_history(history: list[CheckpointManifest], skill: str, rounds: int) -> list[float]:
     """The norms of the deltas of `skill` that the newest `rounds` checkpoints included."""
@@ -64,14 +78,20 @@ class Admission:
         return out
 
 
-def _rank(c: Candidate, table: dict[str, Reputation]) -> tuple:
-    return (-reputation_of(table, c.author).score, c.manifest.created, c.manifest.blob)
+def slot_order(ctx: RoundContext, candidates: list[Candidate], table: dict[str, Reputation]) -> list[Candidate]:
+    """`candidates` in the order they take the round's slots (the module docstring): tier, score, the round's draw
+    per key, then each key's own order."""
+    def rank(c: Candidate) -> tuple:
+        rep = reputation_of(table, c.author)
+        return (rep.slot_tier, -rep.score, ctx.lot(c.author), c.manifest.created, c.manifest.blob)
+
+    return sorted(candidates, key=rank)
 
 
 @dataclass
 class Caps:
-    """At most `max_deltas_per_author` per key (its earliest) and `max_deltas_per_round` in all (best
-    reputation first); what is left out is counted in the manifest's `omitted`."""
+    """At most `max_deltas_per_author` per key (its earliest) and `max_deltas_per_round` in all (in `slot_order`);
+    what is left out is counted in the manifest's `omitted`."""
 
     name: str = "caps"
 
@@ -84,7 +104,6 @@ class Caps:
             per_author[c.author] = per_author.get(c.author, 0) + 1
             if per_author[c.author] <= trust.max_deltas_per_author:
                 kept.append(c)
-        kept.sort(key=lambda c: _rank(c, table))
-        out = kept[:trust.max_deltas_per_round]
+        out = slot_order(ctx, kept, table)[:trust.max_deltas_per_round]
         ctx.omitted += len(candidates) - len(out)
         return sorted(out, key=lambda c: c.manifest.blob)

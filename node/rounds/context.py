@@ -8,6 +8,7 @@ others through `RoundContext.reject`, which records the step, the reason and the
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import math
 import re
@@ -76,6 +77,10 @@ class RoundContext:
     # per saturated skill, its deltas the usefulness test rejected for saturation alone: the merge guard may bring
     # them back when the merge leaves that skill worse than the parent (guard.py)
     reserve: dict[str, list[Candidate]] = field(default_factory=dict)
+    # when this coordinator first saw each delta manifest, by (author, blob), in its own clock's seconds: which of two
+    # equal deltas came first (inspection.Copycat). Not the manifest's `created`, which its author writes as it likes;
+    # a pair of keys because a re-signed copy has the same blob. Empty: nothing is known (every delta ties).
+    first_seen: dict[tuple[str, str], float] = field(default_factory=dict)
 
     @functools.cached_property
     def max_delta_bytes(self) -> int:
@@ -108,6 +113,17 @@ class RoundContext:
         self.rejected.append((cand, Rejection(blob=cand.manifest.blob, author=cand.author, skill=cand.skill,
                                               reason=short, step=step, figures=clean_figures(figures))))
 
+    def seen_at(self, cand: Candidate) -> float:
+        """When this coordinator first saw `cand`'s manifest (`first_seen`); infinity when it does not know."""
+        return self.first_seen.get((cand.author, cand.manifest.blob), math.inf)
+
+    def lot(self, *parts: str) -> str:
+        """A draw no author can steer: the sha256 of the round's eval seed (picked after publication), its parent's
+        weights and `parts` (e.g. a key), as hex. Orders what the round must break a tie on; anyone who reads the
+        manifest's `eval_seed` draws the same."""
+        text = "\x00".join([str(self.eval_seed), self.parent.weights_hash, *parts])
+        return hashlib.sha256(text.encode()).hexdigest()
+
     def unreject(self, cand: Candidate) -> None:
         """Take back `cand`'s rejections: a later step brought it into the round after all."""
         self.rejected = [(c, r) for c, r in self.rejected if c is not cand]
@@ -128,10 +144,14 @@ def first_layers(deltas: Iterable[tuple[str, Mapping[str, float]]]) -> dict[str,
     return {skill: int(n) for skill, n in seen.items() if n is not None}
 
 
+# A rejection's figure saying its blob never arrived (the fetch step's): the key's next deltas go to the back of the
+# round's slots (reputation.py), without counting against its reputation.
+NO_SHOW_FIGURE = "no_show"
+
 # Figures others act on, kept before the rest when a manifest's 8 must leave some out: the merge reads `layers`
-# (`--verify` recomputes it), reputation reads `on_credit` (a delta merged on credit earns its key nothing) and
-# `harmful` (a rejection that counts against its key).
-KEPT_FIRST = (LAYERS_FIGURE, "on_credit", "harmful")
+# (`--verify` recomputes it), reputation reads `on_credit` (a delta merged on credit earns its key nothing),
+# `harmful` (a rejection that counts against its key) and `no_show` (a blob that never arrived).
+KEPT_FIRST = (LAYERS_FIGURE, "on_credit", "harmful", NO_SHOW_FIGURE)
 
 
 def clean_figures(figures: dict[str, float]) -> dict[str, float]:

@@ -12,12 +12,34 @@ that agree with each other have no say in it, so they cannot vote an honest delt
 record: a delta is voted out only by a majority, the others' say summed above its own key's, so a proven key
 turned hostile (a sign flip, a random direction) cannot take out an honest delta of equal standing; the
 usefulness test judges the two (bench/poison.py --reputed).
+
+Copies. A delta equal or nearly equal to another delta is no work of its author's: re-signed by another key (the same
+blob), re-encoded or rescaled (x 0.98), it would be a second weight for the same update, and reputation for nothing,
+which later lets that key's inconclusive deltas in on credit. After its other checks `Inspect` rejects, at the step
+`copycat`, a delta whose cosine with a delta seen before it is `COPY_COSINE` or more (or that has the same blob), over
+every skill: a delta of this round seen earlier that passed the same checks, or one an earlier checkpoint of the history
+merged (by its blob, or by its file while this coordinator still holds it). "Before" is the order this coordinator
+first saw the manifests (`RoundContext.first_seen`), never the author's `created`, which it writes as it likes; deltas
+seen at the same time go to the key with the better reputation, then to the round's draw (`RoundContext.lot`). So only
+the first publisher is credited, and near-copies among colluding keys count as one: the first seen stays, the others
+are out. A copy seen later than its original, or of a merged delta, is harmful (its key could only have copied); one
+seen at the same time as its original is not, since which of the two is the copy is then a draw, nor is a copy of its
+own key's delta (a resend; still one weight only). Cosines are float64 sums over the decoded files, not hashed: they
+differ in the last bits between CPUs, far inside the margin between copies (1.0 to within 1e-6 for a re-signed or
+rescaled copy) and honest independent deltas (at most 0.69 in the nano demo, see COPY_COSINE). What a cosine threshold
+cannot see: a copy with enough added (about a third of its norm in an orthogonal direction brings 1.0 down to 0.95)
+passes as another delta, and must then show a gain of its own in the usefulness test; the merge guard judges what the
+added part costs. A copy seen in the same poll as its original wins the tie when its key has the better reputation,
+and half the time when the two are equal: how finely the coordinator times what it sees bounds this.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
 
 from skillswarm.merge.screening import DeltaCandidate, consensus_cosines, norm_outlier, screen_deltas
 from skillswarm.node.rounds.admission import skill_norm_history
@@ -25,25 +47,177 @@ from skillswarm.node.rounds.context import Candidate, RoundContext
 from skillswarm.node.rounds.reputation import reputation_of, reputations
 
 CLAIM_TOLERANCE = 1e-3  # relative difference allowed between a manifest's norm and the file's
+# A delta at this cosine or above with one seen before it is a copy. A re-signed, re-encoded or rescaled copy is at
+# 1.0 (to within 1e-6), bench/poison.py's colluders (an honest delta plus a twelfth share of the backdoor's poison) at
+# 0.998-0.999. Honest work of bench/poison.py's workers (one demo RL round each on the nano base) is far below: two
+# seeds of one skill 0.67-0.69 (sort, arith), two skills -0.03 to 0.18; the drill's backdoor (the honest delta plus a
+# trained poison at half its norm) 0.89. 0.95 leaves a margin of 0.26 to two honest workers of one skill, far wider
+# than any difference float sums can make between CPUs.
+COPY_COSINE = 0.95
+# float64 elements of all compared files' row chunks in memory at once (128 MiB): each file's chunk is its share
+COPY_CHUNK_BUDGET = 1 << 24
+
+
+@dataclass(frozen=True)
+class Copy:
+    """What a copy copied: the original's blob and key, where it was seen, their cosine, whether it counts against
+    the copy's key."""
+
+    blob: str
+    author: str
+    where: str
+    cosine: float
+    harmful: bool
+
+
+def delta_dots(base_dir: Path, paths: Sequence[Path], rows: int,
+               budget: int = COPY_CHUNK_BUDGET) -> tuple[list[list[float]], list[float]]:
+    """The dot products of the decoded deltas at `paths[:rows]` with every delta at `paths` (a rows x n table), and
+    every delta's square norm: float64 sums, one row chunk of every file in memory at a time (`budget` elements in
+    all). Not hashed, so plain floats, for the copy test's cosines. A file past `rows` (a merged delta held from an
+    earlier round) that cannot be read, or whose tensor does not fit the base, counts as zero there."""
+    import torch
+
+    from skillswarm.merge.checkpoint import Checkpoint
+    from skillswarm.merge.deltas import DeltaFile
+    from skillswarm.merge.pipeline import is_float
+    from skillswarm.merge.tensorfile import row_chunks
+    from skillswarm.protocol.errors import MergeError
+
+    n = len(paths)
+    dots = torch.zeros(rows, n, dtype=torch.float64)
+    squares = torch.zeros(n, dtype=torch.float64)
+    base = Checkpoint(base_dir)
+    files: list = []
+    try:
+        for i, p in enumerate(paths):
+            try:
+                files.append(DeltaFile(p))
+            except (MergeError, OSError):
+                if i < rows:  # this round's candidates passed the file checks: a failure now is the caller's
+                    raise
+                files.append(None)
+        chunk = max(1 << 12, budget // max(1, n))
+        for name in base.names():
+            entry = base.entry(name)
+            if not is_float(entry.dtype):
+                continue
+            have = [i for i, f in enumerate(files) if f is not None and name in f and f.shape(name) == entry.shape]
+            if not have:
+                continue
+            own = [k for k, i in enumerate(have) if i < rows]
+            index, mine = torch.tensor(have), torch.tensor([have[k] for k in own], dtype=torch.long)
+            for r0, r1 in row_chunks(entry.shape, chunk):
+                x = torch.stack([files[i].rows(name, r0, r1).reshape(-1).double() for i in have])
+                squares[index] += (x * x).sum(dim=1)
+                if own:
+                    dots[mine[:, None], index[None, :]] += x[own] @ x.T
+    finally:
+        for f in files:
+            if f is not None:
+                f.close()
+        base.close()
+    return dots.tolist(), squares.tolist()
+
+
+@dataclass
+class Copycat:
+    """Rejects a delta equal or nearly equal to one seen before it (see the module docstring). `Inspect` runs it on
+    the deltas that pass its other checks; as a step of its own it rejects the copies among `candidates`."""
+
+    name: str = "copycat"
+    threshold: float = COPY_COSINE
+
+    def __call__(self, ctx: RoundContext, candidates: list[Candidate]) -> list[Candidate]:
+        copies = self.find(ctx, candidates)
+        for c in candidates:
+            if id(c) in copies:
+                self.reject(ctx, c, copies[id(c)])
+        return [c for c in candidates if id(c) not in copies]
+
+    def reject(self, ctx: RoundContext, cand: Candidate, copy: Copy) -> None:
+        """Record `cand` as a copy, at this step."""
+        ctx.reject(cand, self.name, f"a copy (cosine {copy.cosine:.4f} >= {self.threshold:g}) of {copy.blob[:12]} "
+                                    f"by key {copy.author[:12]}, {copy.where}: no work of its own, so no weight and "
+                                    "no credit", {**cand.figures, "copy_cosine": copy.cosine}, harmful=copy.harmful)
+
+    def order(self, ctx: RoundContext, candidates: list[Candidate]) -> list[Candidate]:
+        """`candidates` in the order this coordinator first saw them; at the same time, the better reputation first,
+        then the round's draw."""
+        table = reputations(ctx.history, ctx.spec.trust.reputation_rounds)
+        return sorted(candidates, key=lambda c: (ctx.seen_at(c), -reputation_of(table, c.author).score,
+                                                 ctx.lot(c.author, c.manifest.blob)))
+
+    def find(self, ctx: RoundContext, candidates: list[Candidate]) -> dict[int, Copy]:
+        """id(candidate) -> what it copied, for each copy among `candidates` (each has its file)."""
+        if not candidates:
+            return {}
+        merged: dict[str, tuple[int, str]] = {}  # blob -> (version, author) of the history's included deltas
+        for m in sorted(ctx.history, key=lambda m: m.version):
+            for d in m.included:
+                merged.setdefault(d.blob, (m.version, d.author))
+        order = self.order(ctx, candidates)
+        paths: dict[str, Path] = {}  # blob -> file: this round's, then the merged ones still held here
+        for c in order:
+            assert c.path is not None
+            paths.setdefault(c.manifest.blob, c.path)
+        rows = len(paths)
+        held = [b for b in merged if b in paths or ctx.blobs.has(b)]  # merged deltas whose files are here
+        for b in held:
+            paths.setdefault(b, ctx.blobs.path(b))
+        at = {b: i for i, b in enumerate(paths)}
+        dots, squares = delta_dots(ctx.base_dir, list(paths.values()), rows) if len(paths) > 1 else ([[0.0]], [0.0])
+
+        def cosine(a: str, b: str) -> float:  # `a` one of this round's blobs
+            if a == b:
+                return 1.0
+            i, j = at[a], at[b]
+            nn = squares[i] * squares[j]
+            return dots[i][j] / math.sqrt(nn) if nn > 0 else 0.0
+
+        out: dict[int, Copy] = {}
+        seen: list[Candidate] = []
+        for c in order:
+            blob = c.manifest.blob
+            if blob in merged:
+                version, author = merged[blob]
+                out[id(c)] = Copy(blob, author, f"merged in v{version}", 1.0, author != c.author)
+            elif (match := next(((b, cos) for b in held if (cos := cosine(blob, b)) >= self.threshold), None)):
+                version, author = merged[match[0]]
+                out[id(c)] = Copy(match[0], author, f"merged in v{version}", match[1], author != c.author)
+            elif (first := next(((e, cos) for e in seen if (cos := cosine(blob, e.manifest.blob)) >= self.threshold),
+                                None)):
+                e, cos = first
+                mine, theirs = ctx.seen_at(c), ctx.seen_at(e)
+                later = mine > theirs
+                where = (f"seen {mine - theirs:.3g} s before it" if later and math.isfinite(mine) else
+                         "seen before it" if later else
+                         "seen with it (the better reputation, then the round's draw, decided which came first)")
+                # a copy of its own key's delta is no theft (a resend), and at the same time which is the copy is a draw
+                out[id(c)] = Copy(e.manifest.blob, e.author, where, cos, later and e.author != c.author)
+            seen.append(c)
+        return out
 
 
 @dataclass
 class Inspect:
-    """Structure, finiteness, the norm claim, and norm bounds (see the module docstring)."""
+    """Structure, finiteness, the norm claim, norm bounds, then copies (`copycat`; see the module docstring)."""
 
     name: str = "inspect"
+    copycat: Copycat | None = field(default_factory=Copycat)  # None: copies are not looked for
 
     def __call__(self, ctx: RoundContext, candidates: list[Candidate]) -> list[Candidate]:
         spec, parent = ctx.spec, ctx.parent
-        screened = screen_deltas(ctx.base_dir, [DeltaCandidate(c.path, key=c.manifest.blob, skill=c.skill,
-                                                               base_hash=c.manifest.base_hash) for c in candidates],
+        # keyed by position: two manifests may name one blob (a re-signed copy), and each is judged
+        screened = screen_deltas(ctx.base_dir, [DeltaCandidate(c.path, key=str(i), skill=c.skill,
+                                                               base_hash=c.manifest.base_hash)
+                                                for i, c in enumerate(candidates)],
                                  base_hash=parent.weights_hash, max_norm_ratio=None)
-        by_blob = {c.manifest.blob: c for c in candidates}
         for r in screened.rejected:
-            ctx.reject(by_blob[r.candidate.key], self.name, r.reason)
+            ctx.reject(candidates[int(r.candidate.key)], self.name, r.reason)
         passed = []
         for a in screened.accepted:
-            c = by_blob[a.candidate.key]
+            c = candidates[int(a.candidate.key)]
             c.norm = a.norm
             c.figures["norm"] = a.norm
             claimed = c.manifest.norm
@@ -61,7 +235,9 @@ class Inspect:
                 out.append(c)
             else:
                 ctx.reject(c, self.name, why, {**c.figures, "history_median": statistics.median(history)})
-        return out
+        # copies last: only a delta that passed every other check may stand as the original a later copy is judged by
+        # (a broken copy seen first would otherwise take its original out with it)
+        return out if self.copycat is None else self.copycat(ctx, out)
 
 
 @dataclass

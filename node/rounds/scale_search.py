@@ -5,7 +5,7 @@ with significance: a one-sided sign test over every skill's tasks pooled, paired
 network's confidence shared among the alternatives (Bonferroni). TIES (Yadav et al. 2023) picks lambda on validation
 data the same way. In the demo a round's first deltas, large and trained from one model, lost 10-21 points (summed
 over four skills) to their specialists when merged at 1 and 6-11 at 1.25-1.5, while later rounds were best at 1;
-the significance keeps 300 noisy tasks per skill from moving lambda where it does not help (README, "Choosing
+the significance keeps 300 noisy tasks per skill from moving lambda where it does not help (docs/merging.md, "Choosing
 lambda on evidence").
 The chosen lambda goes into the checkpoint manifest, so `coordinator run --verify` recomputes the merge bit for bit.
 """

@@ -13,7 +13,7 @@ next ones of the same seeded list) for it and the parent, and the test is repeat
 A late round's honest gain of 3-7 points is often not significant on 300 tasks (the demo lost such deltas
 at p = 0.1-0.4), and the second look costs only the candidates that need it. Both looks test at Pocock's
 nominal level, which keeps the chance that a delta with no effect passes at 1 - confidence overall.
-Two rules a network file may turn on (`net init` and the demo do; README, "Saturated skills and deltas on credit"):
+Two rules a network file may turn on (`net init` and the demo do; docs/screening-and-merge-guard.md, "Saturated skills and deltas on credit"):
 - saturation: a skill the parent solves at `saturated_at` or better on the first look takes no delta this round,
   unless the merge leaves that skill worse than the parent: its deltas are held in reserve for the merge guard;
   with `repair_layers` N, its deltas are instead judged as repairs of the model's first N decoder layers (the rest
@@ -23,6 +23,8 @@ Two rules a network file may turn on (`net init` and the demo do; README, "Satur
   record, is merged on credit, earning its key nothing
   (`reputation.py`), and only for a skill no delta of the round showed a gain for (averaged with one that did,
   it would only dilute it). Fresh keys still have to show significance; the merge guard still tests the merge.
+Dilution: a delta that passed, but gained under half what the best delta of its skill did this round and loses to it
+task by task (significantly), is left out (`no_dilution`), since averaged with it, it would pull the skill back.
 Evaluation figures are this coordinator's measurement on its hardware; they decide inclusion and are
 published, but only the merge of what was included is bit-reproducible by others.
 """
@@ -46,8 +48,11 @@ log = logging.getLogger(__name__)
 # Credit pays for a gain too small for the test's tasks to show, 2 points or more (a late round's honest 2-4). A delta
 # that changes fewer than this share of its skill's tasks cannot gain that much, yet moves the merge as much as any:
 # a demo's last calc delta changed 9 of 600 calc tasks and cost arith 2.7 points of the merge (85% of arith's gain
-# kept instead of 97%; README, "Saturated skills' deltas in reserve, and a floor for credit"). It gets no credit.
+# kept instead of 97%; docs/screening-and-merge-guard.md, "Saturated skills' deltas in reserve, and a floor for credit"). It gets no credit.
 CREDIT_MIN_CHANGE = 0.02
+# A delta whose shown gain is under this share of the best delta of its skill, and which that delta beats task by task,
+# is left out (`no_dilution`): averaged with the best (a mean), it would cost the skill more than a quarter of the gain.
+DILUTION = 0.5
 
 
 @dataclass
@@ -84,6 +89,8 @@ class Usefulness:
                 second_ok.append(_has_second_look(ctx, policy.eval_n))
             return second_ok[0]
 
+        own_scores: dict[int, Scores] = {}  # id(candidate) -> its own skill's scores, both looks' tasks in order
+
         def measure(look: int, changed: dict[str, torch.Tensor]) -> dict[str, Paired]:
             """The candidate (its tensors `changed`, loaded in the engine) against the parent on look `look`."""
             if look == 1 and not second:
@@ -91,7 +98,9 @@ class Usefulness:
                 second.update({s: scores(engine, s, policy.eval_n, ctx.eval_seed, 1) for s in skills})
                 engine.load_state_dict(changed, 0)
             base = before if look == 0 else second
-            return {s: Paired.compare(base[s], scores(engine, s, policy.eval_n, ctx.eval_seed, look)) for s in skills}
+            got = {s: scores(engine, s, policy.eval_n, ctx.eval_seed, look) for s in skills}
+            own_scores[id(c)] = (own_scores.get(id(c), []) if look else []) + got[c.skill]
+            return {s: Paired.compare(base[s], got[s]) for s in skills}
 
         table = reputations(ctx.history, ctx.spec.trust.reputation_rounds) if policy.on_credit is True else {}
         out = []
@@ -159,7 +168,7 @@ class Usefulness:
                                          f"{policy.max_other_drop:.1%}")
             else:
                 out.append(c)
-        return self._credit_only_where_nothing_was_shown(ctx, out)
+        return self._credit_only_where_nothing_was_shown(ctx, no_dilution(ctx, self.name, out, own_scores, alpha))
 
     def _credit_only_where_nothing_was_shown(self, ctx: RoundContext, passed: list[Candidate]) -> list[Candidate]:
         """Drop the deltas on credit of a skill that has a delta with a shown gain this round: averaged into that
@@ -174,6 +183,37 @@ class Usefulness:
             else:
                 out.append(c)
         return out
+
+
+def no_dilution(ctx: RoundContext, step: str, passed: list[Candidate], own_scores: dict[int, Scores],
+                alpha: float) -> list[Candidate]:
+    """`passed` less the deltas that would dilute their skill: a shown gain under `DILUTION` x the best of its skill
+    this round, and significantly worse than that delta task by task (at `alpha`, on the tasks both were played on).
+    The test against the parent lets a delta with no effect through 1 - confidence of the time; averaged with the
+    skill's best, such a delta only pulls the skill back, and the guard, which compares the merge with the parent,
+    cannot see it (a random direction that passed by chance cost the poisoning drill's merge 7.7 points). Not held
+    against its key: an honest delta may just be the weaker of two."""
+    best: dict[str, Candidate] = {}
+    for c in passed:
+        if "on_credit" not in c.figures and id(c) in own_scores and \
+                (c.skill not in best or c.figures["gain"] > best[c.skill].figures["gain"]):
+            best[c.skill] = c
+    out = []
+    for c in passed:
+        b = best.get(c.skill)
+        if b is None or b is c or "on_credit" in c.figures or id(c) not in own_scores:
+            out.append(c)
+            continue
+        n = min(len(own_scores[id(b)]), len(own_scores[id(c)]))
+        vs = Paired.compare(own_scores[id(b)][:n], own_scores[id(c)][:n])
+        if c.figures["gain"] < DILUTION * b.figures["gain"] and vs.losses > vs.wins and vs.p_worse <= alpha:
+            ctx.reject(c, step, f"its gain on {c.skill} ({c.figures['gain']:+.1%}) is under {DILUTION:.0%} of "
+                                f"{b.manifest.blob[:12]}'s ({b.figures['gain']:+.1%}), which beats it on {vs.losses} "
+                                f"tasks to {vs.wins} of {vs.n} (p={vs.p_worse:.3g}): averaged with it, it would only "
+                                "dilute the skill", {**c.figures, "p_diluted": vs.p_worse}, harmful=False)
+        else:
+            out.append(c)
+    return out
 
 
 def _creditable(own: Paired, alpha: float, min_change: float) -> bool:

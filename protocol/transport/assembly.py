@@ -17,7 +17,7 @@ from pathlib import Path
 from skillswarm.protocol.atomic import WriteBehind
 from skillswarm.protocol.errors import BlobError
 from skillswarm.protocol.transport.blobs import SYNC_EVERY, BlobStore, partial_pieces_path
-from skillswarm.protocol.transport.fetcher import _Clock, _Rejected, _Stopped
+from skillswarm.protocol.transport.receiving import _Clock, _Rejected, _Stopped
 from skillswarm.protocol.transport.pieces import PIECE_SIZE, digest_of, pack_bits, piece_span
 from skillswarm.protocol.transport.wire import FetchReport
 

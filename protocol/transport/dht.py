@@ -335,21 +335,42 @@ class SwarmDHT:
         return out
 
     def get_peers(self) -> list[PeerRecord]:
-        """The PeerRecords of every node online (not expired), newest first."""
-        return sorted(self._records([peers_key(self._net)], PeerRecord), key=lambda r: -r.created)
+        """The PeerRecords of every node online (not expired): first those of the nodes this one sees running (its
+        own, its DHT routing table's, the peers it is connected to), then the others, each by peer id. Never by
+        `created`: a record's author chooses it (a record dated in year 5138 is not the freshest)."""
+        from skillswarm.protocol.transport.observed import live_peers
+
+        found = self._records([peers_key(self._net)], PeerRecord)
+        live = set(self.run_coroutine(live_peers)) if found else set()
+        return sorted(found, key=lambda r: (r.peer_id not in live, r.peer_id, r.author))
 
     def get_deltas(self, base_version: int) -> list[DeltaManifest]:
-        """Every DeltaManifest trained on checkpoint `base_version`."""
-        return sorted(self._records([deltas_key(self._net, base_version)], DeltaManifest), key=lambda r: r.created)
+        """Every DeltaManifest trained on checkpoint `base_version`, in blob order (not by `created`, which each
+        author writes as it likes: a round orders its deltas itself, node/rounds/admission.py)."""
+        return sorted(self._records([deltas_key(self._net, base_version)], DeltaManifest),
+                      key=lambda r: (r.blob, r.author))
 
     def get_skill_stats(self, skill: str) -> list[SkillStats]:
         """Workers' live SkillStats for `skill`."""
         return self._records([skill_key(self._net, skill)], SkillStats)
 
-    def get_providers(self, sha: str) -> list[ProviderRecord]:
-        """Who announces that they serve blob `sha`, newest announcement first."""
-        return sorted(self._records([providers_key(self._net, check_sha256(sha))], ProviderRecord),
-                      key=lambda r: -r.created)
+    def get_providers(self, sha: str, *, limit: int | None = None) -> list[ProviderRecord]:
+        """Who announces that they serve blob `sha`: at most `limit` (default `observed.MAX_PROVIDERS`) of them, one
+        record per peer, in the order this node asks them (`observed.Observed`): those that delivered to it when
+        last asked first, fastest first; then those it sees running (DHT routing table, connections) and never
+        asked, then the others never asked, each group in random order; those that failed last. What the records
+        claim (their `created`) plays no part, and a flood of records for keys nobody runs cannot push out a
+        provider this node has seen."""
+        from skillswarm.protocol.transport.observed import MAX_PROVIDERS, provider_order
+
+        by_peer: dict[str, ProviderRecord] = {}
+        for r in self._records([providers_key(self._net, check_sha256(sha))], ProviderRecord):
+            by_peer.setdefault(r.peer_id, r)
+        if not by_peer:
+            return []
+        order = self.run_coroutine(provider_order, peer_ids=list(by_peer),
+                                   limit=MAX_PROVIDERS if limit is None else limit)
+        return [by_peer[p] for p in order if p in by_peer]
 
     def latest_checkpoint(self, *, trusted: Iterable[str] | None) -> CheckpointManifest | None:
         """The newest CheckpointManifest signed by a `trusted` key (None: any valid signature)."""

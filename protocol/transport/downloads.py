@@ -1,10 +1,13 @@
 """The caller's side of blob downloads: what `SwarmDHT.fetch_report` and `SwarmDHT.fetch_many` run.
 
-`fetch_one` finds the providers, refuses a blob the store has no room for before any byte moves, starts
-the download in the DHT process under its deadline (GRACE_S + size / MIN_RATE unless given) and waits for
-it: `swarm.fetch_pieces` (every provider at once, piece by piece) when the caller knows the blob's tree
-hash, else `fetcher.fetch_blob` (one provider at a time); if the caller stops waiting, the fetch is
-cancelled there too. `fetch_many` runs a round's fetches concurrently under one time budget: what is not done when the budget ends is cancelled, keeps its
+`fetch_one` finds the providers (`SwarmDHT.get_providers`: at most `observed.MAX_PROVIDERS`, in the order this
+node's own observations give, never by what the records claim), refuses a blob the store has no room for
+before any byte moves, starts the download in the DHT process under its deadline (GRACE_S + size / MIN_RATE
+unless given) and waits for it: `swarm.fetch_pieces` (every provider at once, piece by piece) when the
+caller knows the blob's tree hash, else `fetcher.fetch_blob` (one provider at a time, the first of them to
+answer); if the caller stops waiting, the fetch is cancelled there too. Either way the DHT process notes what
+each provider did (`observed.Observed`), for the order of the next downloads. `fetch_many` runs a round's
+fetches concurrently under one time budget: what is not done when the budget ends is cancelled, keeps its
 bytes for a later resume, and comes back as a `BlobError`, like every other failed blob.
 """
 
@@ -22,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 from skillswarm.protocol.transport.blobs import BlobStore, check_sha256, held_bytes
 from skillswarm.protocol.errors import BlobError, NetworkError
 from skillswarm.protocol.transport.fetcher import cancel_fetches, fetch_blob
+from skillswarm.protocol.transport.observed import observed
 from skillswarm.protocol.progress import PartialProgress
 from skillswarm.protocol.records import ProviderRecord
 from skillswarm.protocol.transport.swarm import add_sources, fetch_pieces
@@ -88,7 +92,7 @@ def fetch_one(dht: SwarmDHT, sha: str, *, size: int | None, max_size: int, store
     args = dict(sha=sha, sources=sources, root=str(store.root), size=size, max_size=max_size, stall_s=stall_timeout,
                 deadline_s=deadline_s, min_rate=min_rate, grace_s=grace_s, max_bytes=store.max_bytes, token=token)
     announced = _announce_download(dht, sha, size, store, tree)
-    future = dht._submit(fetch_blob, args) if tree is None else dht._submit(fetch_pieces, {**args, "tree": tree})
+    future = dht._submit(fetch_blob, args) if tree is None else dht._submit(_fetch_pieces, {**args, "tree": tree})
     try:
         with PartialProgress(store.partial_path(sha), size, f"blob {sha[:12]}", enabled=progress) as bar:
             # The DHT process keeps the deadline; this wait only backs it up.
@@ -103,6 +107,22 @@ def fetch_one(dht: SwarmDHT, sha: str, *, size: int | None, max_size: int, store
         if announced and not store.has(sha):
             dht.unprovide(sha)
         raise
+
+
+async def _fetch_pieces(dht: Any, node: Any, **kwargs: Any) -> FetchReport:
+    """(In the DHT process) `swarm.fetch_pieces`, noting what each provider did in this node's `Observed`."""
+    started = time.monotonic()
+    report = await fetch_pieces(dht, node, **kwargs)
+    seen, took = observed(dht), time.monotonic() - started
+    sent: dict[str, int] = {}
+    for peer, start, end in report.segments:
+        sent[peer] = sent.get(peer, 0) + end - start
+    for peer, n in sent.items():
+        if peer not in report.rejected:
+            seen.delivered(peer, n, took)
+    for peer in report.rejected:
+        seen.failed(peer)
+    return report
 
 
 def _refresher(dht: SwarmDHT, sha: str, store: BlobStore, update: Any) -> Any:

@@ -12,7 +12,16 @@ is dropped (its bytes kept) for the next provider, and when the deadline passes,
 stops it, the fetch ends with a `BlobError` and keeps its partial file for a later resume. Room in the
 store is reserved (`BlobStore.reserve`) before the first byte is written.
 
-The caller's side (finding providers, waiting, a round's budget) is `downloads`.
+Which provider sends the bytes is a race (`_first_answer`): the providers are asked in line, each STAGGER_S
+after the one before (at once when one fails), up to RACE_WIDTH waiting at a time, and each must be dialled and
+send its header within ANSWER_S; the first to answer streams, the other streams are closed. The first in line,
+if it answers at once, is the only one asked; records for addresses that swallow dials or peers that never
+answer cost side by side what one of them costs, not one after the other. The line is the caller's order, or
+this node's own: `Observed` keeps what each provider did here (delivered bytes and how fast, failed, lied), and
+`SwarmDHT.get_providers` lists providers by it (`provider_order`), never by what their records claim.
+
+The caller's side (finding providers, waiting, a round's budget) is `downloads`; reading one stream is
+`receiving`, the order of providers `observed`.
 """
 
 from __future__ import annotations
@@ -20,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import queue
 import socket
 import threading
 import time
@@ -34,247 +42,193 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from skillswarm.protocol.transport.blobs import BlobStore, PartialDownload, check_sha256, range_digests
 from skillswarm.protocol.errors import BlobError
-from skillswarm.protocol.transport.streams import open_stream, recv_exact
+from skillswarm.protocol.transport.observed import Observed, observed
+from skillswarm.protocol.transport.receiving import (
+    _Busy, _check_header, _Clock, _Missing, _receive, _Rejected, _Room, _Slow, _Stopped, _Transient, open_request,
+    read_header,
+)
 from skillswarm.protocol.transport.wire import (
-    CHUNK, GRACE_S, HANDLER, MIN_RATE, BlobHeader, BlobRequest, FetchReport, Source, frame, frame_length, deadline_for,
+    GRACE_S, MIN_RATE, BlobHeader, BlobRequest, FetchReport, Source, frame, deadline_for,
 )
 
 logger = logging.getLogger(__name__)
 
 _FORGET_CANCELLED_S = 600.0  # how long a cancel waits for a fetch that has not started yet
+# Providers are asked in the order `Observed` gives (what this node saw them do, never what a record claims):
+ANSWER_S = 10.0  # a provider must be dialled, open a stream and send its header within this (or the stall time)
+STAGGER_S = 0.25  # the head start each provider in line gets before the next one is asked too
+RACE_WIDTH = 32  # providers waiting for an answer at a time
 
 
-class _Transient(Exception):
-    """This attempt failed (stream broke, provider busy or unreachable); the provider may be tried again."""
 
 
-class _Slow(_Transient):
-    """This stream averaged under the minimum rate after the grace period; its bytes are kept."""
+
+_Answer = tuple[socket.socket, float, BlobHeader]  # a provider's stream, when it opened, and its header
 
 
-class _Rejected(Exception):
-    """This provider must not be asked again during this fetch (unknown blob, wrong size, lying)."""
+class _Lost(Exception):
+    """Another provider answered first: this stream is no longer wanted."""
 
 
-class _Stopped(Exception):
-    """The fetch is out of time: its deadline passed, or it was cancelled."""
+class _Race:
+    """The streams of one race (`_first_answer`): each asked provider's, until one answers. Its end shuts every
+    other stream down (a thread blocked reading one wakes, closes it and gives up) and closes those that answered
+    too late to win (their threads have returned them)."""
 
-
-class _Missing(_Transient):
-    """A provider still downloading the blob does not hold the pieces asked for yet."""
-
-
-class _Busy(_Transient):
-    """A provider serves as many uploads as it allows: ask again later (until the deadline), no blame."""
-
-
-class _Clock:
-    """The limits of one fetch, shared by its coroutine and the thread moving its bytes: the deadline, the
-    rate a stream must average after the grace period, and a cancel switch that also wakes a blocked read."""
-
-    def __init__(self, deadline_s: float, min_rate: float, grace_s: float) -> None:
-        self.start = time.monotonic()
-        self.deadline_s, self.min_rate, self.grace_s = deadline_s, min_rate, grace_s
-        self.deadline = self.start + deadline_s
-        self.cancelled = ""  # why, once cancelled
-        self._socks: set[socket.socket] = set()
+    def __init__(self, clock: _Clock) -> None:
+        self.clock = clock
+        self.over = False
         self._lock = threading.Lock()
+        self._open: set[socket.socket] = set()
+        self._answered: list[socket.socket] = []
 
-    def left(self) -> float:
-        return self.deadline - time.monotonic()
-
-    def check(self) -> None:
-        """Raise `_Stopped` if the fetch was cancelled or its deadline passed."""
-        if self.cancelled or self.left() <= 0:
-            raise _Stopped
-
-    def watch(self, sock: socket.socket) -> None:
-        """`sock` is a stream to shut down on cancel, until `unwatch`."""
+    def opened(self, sock: socket.socket) -> bool:
+        """A stream was opened for the race: False if the race is over (the caller closes it)."""
         with self._lock:
-            self._socks.add(sock)
-        self.check()
+            if not self.over:
+                self._open.add(sock)
+            return not self.over
 
-    def unwatch(self, sock: socket.socket) -> None:
+    def answered(self, sock: socket.socket) -> bool:
+        """Its provider answered: False if the race is over (the caller closes it); else the race holds it now."""
         with self._lock:
-            self._socks.discard(sock)
+            self._open.discard(sock)
+            if self.over:
+                return False
+            self._answered.append(sock)
+            return True
 
-    def cancel(self, why: str) -> None:
+    def forget(self, sock: socket.socket) -> None:
+        """The stream's own thread closes it (it failed)."""
         with self._lock:
-            self.cancelled = why
-        self.hang_up()
+            self._open.discard(sock)
 
-    def hang_up(self) -> None:
-        """Shut every open stream down (cancelled, or the download needs nothing more from them)."""
+    def end(self, winner: socket.socket | None = None) -> None:
+        """Keep `winner`'s stream; shut down the streams still waiting for an answer and close those answered."""
         with self._lock:
-            for sock in self._socks:
+            if self.over:
+                return
+            self.over = True
+            for sock in self._open:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
+            for sock in self._answered:
+                if sock is not winner:
+                    self.clock.unwatch(sock)
+                    sock.close()
 
 
-class _Room:
-    """The room a fetch holds in its store, taken again if a provider announces another size."""
-
-    def __init__(self, store: BlobStore, sha: str) -> None:
-        self.store, self.sha, self.size = store, sha, None
-        self._held = contextlib.ExitStack()
-
-    def admit(self, size: int) -> None:
-        """Reserve room for `size` bytes (`BlobError` if they do not fit), before any of them is written."""
-        if size != self.size:
-            self.release()
-            self._held.enter_context(self.store.reserve(self.sha, size))
-            self.size = size
-
-    def release(self) -> None:
-        self._held.close()
-        self.size = None
-
-
-class _Sink:
-    """Hashes and appends received chunks on a second thread, so receiving the next chunk overlaps them."""
-
-    DEPTH = 8
-
-    def __init__(self, part: PartialDownload) -> None:
-        self.part = part
-        self._free: queue.Queue[bytearray] = queue.Queue()
-        self._full: queue.Queue[tuple[bytearray, int] | None] = queue.Queue()
-        for _ in range(self.DEPTH):
-            self._free.put(bytearray(CHUNK))
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="blob-sink", daemon=True)
-
-    def __enter__(self) -> _Sink:
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while (item := self._full.get()) is not None:
-            buf, n = item
+def _answer(control_path: str, src: Source, sha: str, offset: int, size: int | None, max_size: int, clock: _Clock,
+            stall_s: float, answer_s: float, race: _Race) -> _Answer:
+    """(Worker thread) ask one provider for the blob's bytes from `offset`: open a stream, send the request, read
+    a header that suits the download and see the first byte after it arrive, all within `answer_s` (a provider's
+    bytes follow its header at once: one that sends a header and then nothing does not win a race); returns the
+    stream, when it opened, and the header. Raises as `_receive` does, or `_Lost` once another provider won."""
+    started = time.monotonic()
+    sock, opened = open_request(control_path, src, clock, min(stall_s, answer_s))
+    try:
+        if not race.opened(sock):
+            raise _Lost
+        sock.sendall(frame(BlobRequest(sha=sha, offset=offset)))
+        header = read_header(sock, clock, opened, within=max(0.05, started + answer_s - opened))
+        _check_header(header, src, size, max_size)
+        if header.size > offset:
+            sock.settimeout(max(0.001, min(started + answer_s - time.monotonic(), clock.left())))
             try:
-                if self._error is None:
-                    self.part.append(memoryview(buf)[:n])
-            except OSError as e:  # disk full, ...: ends the whole fetch, not just this stream
-                self._error = BlobError(f"cannot write {self.part.path}: {e}")
-            except Exception as e:  # never leave the receiving thread waiting on a dead sink
-                self._error = e
-            self._free.put(buf)
-
-    def buffer(self) -> bytearray:
-        if self._error is not None:
-            raise self._error
-        return self._free.get()
-
-    def put(self, buf: bytearray, n: int) -> None:
-        self._full.put((buf, n)) if n else self._free.put(buf)
-
-    def __exit__(self, *exc: object) -> None:
-        self._full.put(None)
-        self._thread.join()
-        if self._error is not None and exc[0] is None:
-            raise self._error
-
-
-def _pace(sock: socket.socket, clock: _Clock, opened: float, streamed: int, stall_s: float) -> float:
-    """Raise if the fetch is out of time or this stream, open since `opened`, averages under the minimum rate
-    after the grace period; else time the next read out when either could first happen. Returns that wait."""
-    clock.check()
-    now = time.monotonic()
-    slow_at = opened + max(clock.grace_s, streamed / clock.min_rate)
-    if now >= slow_at:
-        raise _Slow(f"sent {streamed:,} bytes in {now - opened:.1f} s, under {clock.min_rate:,.0f} bytes/s")
-    wait_s = min(stall_s, clock.deadline - now, slow_at - now)
-    sock.settimeout(max(0.001, wait_s))
-    return wait_s
-
-
-def open_request(control_path: str, src: Source, clock: _Clock, stall_s: float) -> tuple[socket.socket, float]:
-    """A stream to `src` for one request, watched by `clock` (the caller unwatches and closes it), and when it
-    was opened; a stream that cannot open is a transient failure."""
-    clock.check()
-    opened = time.monotonic()
-    try:
-        sock = open_stream(control_path, src.peer_id, HANDLER, max(0.01, min(stall_s, clock.left())))
-    except OSError as e:
-        clock.check()
-        raise _Transient(f"cannot open a stream ({e})") from None
-    clock.watch(sock)
-    sock.settimeout(stall_s)
-    return sock, opened
-
-
-def read_header(sock: socket.socket, clock: _Clock, opened: float) -> BlobHeader:
-    """Read a provider's header, which must come within the grace period; refuse an error header."""
-    header_by = min(opened + clock.grace_s, clock.deadline)  # a header, too, must not trickle
-    try:
-        header = msgspec.msgpack.decode(recv_exact(sock, frame_length(recv_exact(sock, 4, header_by)), header_by),
-                                        type=BlobHeader)
-    except TimeoutError:
-        clock.check()
-        if time.monotonic() >= opened + clock.grace_s:
-            raise _Slow(f"sent no header within {clock.grace_s:g} s") from None
-        raise
-    if header.error == "busy":
-        raise _Busy("busy")
-    if header.error == "missing":
-        raise _Missing("it does not hold those pieces yet")
-    if header.error:
-        raise _Rejected(header.error)
-    return header
-
-
-def _receive(control_path: str, src: Source, sha: str, part: PartialDownload, size: int | None, max_size: int,
-             stall_s: float, report: FetchReport, clock: _Clock, admit: Callable[[int], None]) -> int:
-    """(Worker thread) one request to one provider, appending what it sends to `part` until the blob is
-    complete, the stream breaks or turns slow, or the fetch is out of time; returns the blob size."""
-    start = part.offset
-    sock, opened = open_request(control_path, src, clock, stall_s)
-    try:
-        sock.sendall(frame(BlobRequest(sha=sha, offset=part.offset)))
-        header = read_header(sock, clock, opened)
-        expected = size if size is not None else src.size
-        if expected is not None and header.size != expected:
-            raise _Rejected(f"serves {header.size} bytes where {expected} were announced")
-        if header.size > max_size:
-            raise _Rejected(f"serves {header.size} bytes, over the {max_size}-byte limit")
-        if part.offset > header.size:
-            part.reset()
-            raise _Transient("the partial download was longer than the blob; restarting it")
-        admit(header.size)  # BlobError if it does not fit in the store: nothing is written
-        report.size = header.size
-        with _Sink(part) as sink:
-            received = part.offset
-            while received < header.size:
-                buf = sink.buffer()
-                want, got = min(CHUNK, header.size - received), 0
-                try:
-                    while got < want:
-                        wait_s = _pace(sock, clock, opened, received + got - start, stall_s)
-                        try:
-                            k = sock.recv_into(memoryview(buf)[got:want])
-                        except TimeoutError:
-                            if wait_s < stall_s:
-                                continue  # the deadline or the rate check is due: the next _pace decides
-                            raise _Transient(f"sent nothing for {stall_s:g} s") from None
-                        if not k:
-                            clock.check()  # a cancel shuts the stream down
-                            raise _Transient(f"stream ended at byte {received + got} of {header.size}")
-                        got += k
-                finally:
-                    sink.put(buf, got)  # what arrived before a break is kept: the next stream resumes after it
-                received += got
-        return header.size
-    except (ValueError, msgspec.MsgspecError) as e:
-        raise _Rejected(f"sent a malformed header ({e})") from None
-    except OSError as e:  # includes timeouts: a stalled provider
-        clock.check()
-        raise _Transient(f"stream broke at byte {part.offset} ({type(e).__name__}: {e})") from None
-    finally:
+                if not sock.recv(1, socket.MSG_PEEK):
+                    raise _Transient("its stream ended after the header")
+            except TimeoutError:
+                clock.check()
+                raise _Slow(f"sent a header and no byte after it within {answer_s:.3g} s") from None
+            sock.settimeout(stall_s)
+        if not race.answered(sock):
+            raise _Lost
+        return sock, opened, header
+    except BaseException as e:
+        race.forget(sock)
         clock.unwatch(sock)
         sock.close()
-        if part.offset > start:
-            report.segments.append((src.peer_id, start, part.offset))
-            report.received += part.offset - start
+        if isinstance(e, (ValueError, msgspec.MsgspecError)):
+            raise _Rejected(f"sent a malformed header ({e})") from None
+        if isinstance(e, OSError):  # includes timeouts, and a stream the race's end shut down
+            clock.check()
+            if race.over:
+                raise _Lost from None
+            raise _Transient(f"did not answer ({type(e).__name__}: {e})") from None
+        raise
+
+
+async def _attempt(node: hivemind.DHTNode, control_path: str, src: Source, sha: str, offset: int, size: int | None,
+                   max_size: int, clock: _Clock, stall_s: float, race: _Race) -> _Answer:
+    """Dial one provider at the addresses it announced, then `_answer`: both within ANSWER_S (or the stall time)."""
+    started = time.monotonic()
+    answer_s = min(ANSWER_S, stall_s)
+    if src.addrs:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(node.p2p._client.connect(PeerID.from_base58(src.peer_id),
+                                                            [Multiaddr(a) for a in src.addrs]),
+                                   max(0.01, min(answer_s, clock.left())))
+    clock.check()
+    left = answer_s - (time.monotonic() - started)
+    if left <= 0:
+        raise _Transient(f"could not be reached within {answer_s:g} s")
+    return await _in_thread(_answer, control_path, src, sha, offset, size, max_size, clock, stall_s, left, race)
+
+
+async def _first_answer(node: hivemind.DHTNode, control_path: str, order: list[Source], sha: str, offset: int,
+                        size: int | None, max_size: int, clock: _Clock, stall_s: float, tried: list[str],
+                        failed: list[tuple[Source, BaseException]]
+                        ) -> tuple[Source, socket.socket, float, BlobHeader] | None:
+    """Ask the providers of `order` for the blob, each STAGGER_S after the one before it (at once when one fails),
+    at most RACE_WIDTH waiting for an answer at a time, until one answers with a header that suits the download:
+    that provider, its stream, when it opened and the header; None if none did. So a provider that answers is
+    never kept waiting behind addresses that swallow dials or peers that never answer (each costs at most
+    ANSWER_S, side by side), and the first in line, when it answers at once, is the only one asked. Each that
+    fails is added to `failed` with its error, each asked to `tried`; `_Stopped` when the fetch is out of time."""
+    race = _Race(clock)
+    asked: dict[asyncio.Future, Source] = {}
+    waiting = list(order)
+    next_at = time.monotonic()
+    stopped: _Stopped | None = None
+    try:
+        while waiting or asked:
+            clock.check()
+            now = time.monotonic()
+            if waiting and len(asked) < RACE_WIDTH and now >= next_at:
+                src = waiting.pop(0)
+                if src.peer_id not in tried:
+                    tried.append(src.peer_id)
+                asked[asyncio.ensure_future(_attempt(node, control_path, src, sha, offset, size, max_size, clock,
+                                                     stall_s, race))] = src
+                next_at = now + STAGGER_S
+                continue
+            wait_s = 0.2 if not waiting or len(asked) >= RACE_WIDTH else min(0.2, max(0.0, next_at - now))
+            if not asked:
+                await asyncio.sleep(wait_s)
+                continue
+            done, _ = await asyncio.wait(list(asked), timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+            won = None
+            for future in sorted(done, key=lambda f: order.index(asked[f])):  # the earlier in line, if several
+                src = asked.pop(future)
+                error = future.exception()
+                if error is None:
+                    won = won or (src, *future.result())  # a later one's stream is closed by the race's end
+                elif isinstance(error, _Stopped):
+                    stopped = error
+                else:
+                    failed.append((src, error))
+                next_at = time.monotonic()  # a place is free: ask the next one now
+            if won is not None:
+                race.end(winner=won[1])
+                return won
+            if stopped is not None:
+                raise stopped
+        return None
+    finally:
+        race.end()
+        for future in asked:
+            if not future.cancel() and not future.cancelled():
+                future.exception()  # finished meanwhile: its error is retrieved, not logged as lost
 
 
 async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
@@ -337,7 +291,8 @@ async def fetch_blob(
         deadline_s = deadline_for(size if size is not None else max_size, min_rate, grace_s)
     clock = _Clock(deadline_s, min_rate, grace_s)
     with tracked(dht, token, clock, sha):
-        return await _fetch(node, sha, sources, store, final, size, max_size, stall_s, max_attempts, clock)
+        return await _fetch(node, observed(dht), sha, sources, store, final, size, max_size, stall_s, max_attempts,
+                            clock)
 
 
 @contextlib.contextmanager
@@ -357,8 +312,9 @@ def tracked(dht: hivemind.DHT, token: str | None, clock: _Clock, sha: str) -> It
             running.pop(token, None)
 
 
-async def _fetch(node: hivemind.DHTNode, sha: str, sources: list[Source], store: BlobStore, final: Path,
-                 size: int | None, max_size: int, stall_s: float, max_attempts: int | None, clock: _Clock) -> FetchReport:
+async def _fetch(node: hivemind.DHTNode, seen: Observed, sha: str, sources: list[Source], store: BlobStore,
+                 final: Path, size: int | None, max_size: int, stall_s: float, max_attempts: int | None,
+                 clock: _Clock) -> FetchReport:
     lock_wait = min(max(60.0, stall_s * 4), max(0.0, clock.left()))  # for another fetch of the same blob
     part = await _in_thread(PartialDownload.open, store.partial_path(sha), final, lock_wait)
     if part is None:
@@ -366,68 +322,104 @@ async def _fetch(node: hivemind.DHTNode, sha: str, sources: list[Source], store:
     report = FetchReport(path=str(final), sha=sha, size=size if size is not None else -1, resumed_from=part.offset)
     control_path = node.p2p.daemon_listen_maddr["unix"]
     me = node.peer_id.to_base58()
-    usable = [s for s in sources if s.peer_id != me]
+    usable = list({s.peer_id: s for s in sources if s.peer_id != me}.values())  # each once
     contributors: set[str] = {"(an earlier fetch)"} if part.offset else set()
     failures: dict[str, int] = {}
     slow: dict[str, int] = {}
     tried: list[str] = []
     suspects: list[tuple[str, int, int, str]] = []  # (peer, start, end, sha256) of attempts that failed verification
     first = len(report.segments)  # this attempt's segments start here
-    attempts, budget, mismatches, ok = 0, max_attempts or 3 * len(usable) + 2, 0, False
+    attempts, budget, mismatches, ok, rounds = 0, max_attempts or 3 * len(usable) + 2, 0, False, 0
     room = _Room(store, sha)
+
+    def drop(src: Source, why: str) -> None:
+        report.rejected[src.peer_id] = why
+        if src in usable:
+            usable.remove(src)
+
+    def to_back(src: Source) -> None:  # a provider that fails or breaks goes to the back of the line
+        if src in usable:
+            usable.remove(src)
+            usable.append(src)
+
+    def unanswered(src: Source, e: BaseException) -> None:
+        """A provider asked in a race did not answer with a header that suits the download."""
+        logger.debug("blob %s from %s: %s", sha[:12], src.peer_id[:16], e)
+        if isinstance(e, _Rejected):
+            seen.failed(src.peer_id)
+            drop(src, str(e))
+        elif isinstance(e, _Slow):
+            seen.failed(src.peer_id)
+            slow[src.peer_id] = slow.get(src.peer_id, 0) + 1
+            drop(src, f"dropped twice as too slow ({e})") if slow[src.peer_id] >= 2 else to_back(src)
+        elif isinstance(e, _Transient):
+            if not isinstance(e, (_Busy, _Missing)):  # busy, or still downloading it: no blame
+                seen.failed(src.peer_id)
+            failures[src.peer_id] = failures.get(src.peer_id, 0) + 1
+            drop(src, str(e)) if failures[src.peer_id] >= 3 else to_back(src)
+        elif not isinstance(e, _Lost):
+            raise e
+
     try:
         if size is not None:
             room.admit(size)
         while usable and attempts < budget:
             if clock.cancelled or clock.left() <= 0:
                 raise _out_of_time(sha, clock, report, tried, part.offset)
-            src = usable[0]  # in the caller's order; a provider that breaks goes to the back of the line
-            attempts += 1
-            before = part.offset
-            if src.peer_id not in tried:
-                tried.append(src.peer_id)
-            if src.addrs:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(node.p2p._client.connect(PeerID.from_base58(src.peer_id),
-                                                                    [Multiaddr(a) for a in src.addrs]),
-                                           max(0.01, min(stall_s, clock.left())))
+            # In this node's order (`Observed`, or the caller's); the first to answer sends the bytes.
+            failed: list[tuple[Source, BaseException]] = []
             try:
-                total = await _in_thread(_receive, control_path, src, sha, part, size, max_size, stall_s, report,
-                                         clock, room.admit)
+                won = await _first_answer(node, control_path, usable[:budget - attempts], sha, part.offset, size,
+                                          max_size, clock, stall_s, tried, failed)
             except _Stopped:
                 raise _out_of_time(sha, clock, report, tried, part.offset) from None
-            except _Rejected as e:
-                report.rejected[src.peer_id] = str(e)
-                usable.remove(src)
+            finally:
+                attempts += len(failed)
+                for src, e in failed:
+                    unanswered(src, e)
+            if won is None:
+                rounds += 1
+                await asyncio.sleep(min(0.1 * rounds, 1.0, max(0.0, clock.left())))
                 continue
+            src, sock, opened, header = won
+            attempts += 1
+            before = part.offset
+            try:
+                total = await _in_thread(_receive, sock, opened, header, src, part, stall_s, report, clock, room.admit)
+            except _Stopped:
+                raise _out_of_time(sha, clock, report, tried, part.offset) from None
             except _Slow as e:
                 logger.debug("blob %s from %s: too slow: %s", sha[:12], src.peer_id[:16], e)
-                usable.append(usable.pop(0))
+                seen.failed(src.peer_id)
+                to_back(src)
                 if part.offset > before:
                     contributors.add(src.peer_id)
                 slow[src.peer_id] = slow.get(src.peer_id, 0) + 1
                 if slow[src.peer_id] >= 2:
-                    report.rejected[src.peer_id] = f"dropped twice as too slow ({e})"
-                    usable.remove(src)
+                    drop(src, f"dropped twice as too slow ({e})")
                 continue
             except _Transient as e:
                 logger.debug("blob %s from %s: %s", sha[:12], src.peer_id[:16], e)
-                usable.append(usable.pop(0))
+                to_back(src)
                 if part.offset > before:  # it delivered something: resume at once, from the next provider
+                    seen.delivered(src.peer_id, part.offset - before, time.monotonic() - opened)
                     contributors.add(src.peer_id)
                     continue
+                seen.failed(src.peer_id)
                 failures[src.peer_id] = failures.get(src.peer_id, 0) + 1
                 if failures[src.peer_id] >= 3:
-                    report.rejected[src.peer_id] = str(e)
-                    usable.remove(src)
+                    drop(src, str(e))
                 await asyncio.sleep(min(0.1 * failures[src.peer_id], max(0.0, clock.left())))
                 continue
+            seen.delivered(src.peer_id, part.offset - before, time.monotonic() - opened)
             contributors.add(src.peer_id)
             report.size = total
             if part.hasher.hexdigest() == sha:
                 await _in_thread(part.publish, final)
                 ok = True
                 await _blame_by_ranges(report, suspects, final)
+                for peer in {peer for peer, _, _, _ in suspects if peer in report.rejected}:
+                    seen.failed(peer, lied=True)
                 return report
             # The bytes do not match. A single source is a liar; with several (a resumed download), retry
             # from zero and only blame them all once every provider had its chance.
@@ -436,6 +428,7 @@ async def _fetch(node: hivemind.DHTNode, sha: str, sources: list[Source], store:
             if len(contributors) == 1 or mismatches > len(sources):
                 for peer in blamed:
                     report.rejected[peer] = "sent bytes that do not match the sha256"
+                    seen.failed(peer, lied=True)
                 usable = [s for s in usable if s.peer_id not in blamed]
             else:  # keep what each one sent: once a download verifies, the ranges that differ name the liar
                 ranges = [seg for seg in report.segments[first:] if seg[2] > seg[1]]

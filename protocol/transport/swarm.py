@@ -35,9 +35,9 @@ from skillswarm.protocol.atomic import atomic_write_bytes
 from skillswarm.protocol.errors import BlobError
 from skillswarm.protocol.transport.assembly import Assembly, Checker, PieceFile, partials, publish
 from skillswarm.protocol.transport.blobs import BlobStore, check_sha256
-from skillswarm.protocol.transport.fetcher import (
-    _Busy, _Clock, _in_thread, _Missing, _out_of_time, _pace, _Rejected, _Room, _Slow, _Stopped, _Transient, open_request,
-    read_header, tracked,
+from skillswarm.protocol.transport.fetcher import _in_thread, _out_of_time, tracked
+from skillswarm.protocol.transport.receiving import (
+    _Busy, _Clock, _Missing, _pace, _Rejected, _Room, _Slow, _Stopped, _Transient, open_request, read_header,
 )
 from skillswarm.protocol.transport.pieces import (
     DIGEST, check_piece_list, held_pieces, piece_count, piece_span, unpack_bits,

@@ -140,7 +140,7 @@ def require_reference(skill: Skill, distribution: str = "") -> None:
                          "player writes (a tool call, or <answer>...</answer>)")
 
 
-# The default: seed 5 at target 0.3 and floor 0.15 (README, "Which bases RL can improve"). At target 0.2 and
+# The default: seed 5 at target 0.3 and floor 0.15 (docs/nano-model.md, "Which bases RL can improve"). At target 0.2 and
 # floor 0.1, calc alone gained at most 10 points in 50-100 RL steps on each of seeds 0 and 4-7 (the bases of
 # seeds 0, 5 and 6 copied one digit of a or c wrong in nearly every failure); at 0.3 and 0.15 it gained 14-42
 # points in 50 steps on 3 of seeds 0 and 4-6. Seed 5 is the first of those on which a demo lifted every skill's

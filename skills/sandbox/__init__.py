@@ -3,6 +3,7 @@
 - `view`: what a run sees of the host (the Python runtime, read-only) and `SandboxError`;
 - `seccomp`: the system-call filter (no new processes, no sockets but AF_UNIX, no kernel escape hatches);
 - `bwrap`: the bubblewrap command line (namespaces, mounts, no capabilities) and its error messages;
+- `launch`: what bwrap cannot set: each run's own pids cgroup and an inode-capped work dir;
 - `run`: `run_python`, `SandboxLimits`, `SandboxResult` (rlimits, wall clock, capped output);
 - `tool`: `PythonSandbox`, the `python` tool skills offer to models.
 

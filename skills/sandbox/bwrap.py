@@ -3,8 +3,9 @@
 bubblewrap (`bwrap`) is the unprivileged sandbox Flatpak is built on: small, audited, packaged by every
 distribution, and it needs no daemon and no root. Each run gets new user, mount, pid, network, ipc, uts
 and cgroup namespaces; a root filesystem that is an empty read-only tmpfs holding only the runtime view
-(`view.py`), a minimal read-only /dev and a size-capped tmpfs work dir; no capabilities
-(`--cap-drop ALL`, which matters when the caller is root); no further user namespaces
+(`view.py`), a minimal read-only /dev and a size-capped tmpfs work dir (`--size N --tmpfs`; where it
+can, the launcher of `launch.py` binds a tmpfs it mounted with an inode cap too in its place); no
+capabilities (`--cap-drop ALL`, which matters when the caller is root); no further user namespaces
 (`--disable-userns` from bubblewrap 0.8; the seccomp filter refuses them anyway); a new session (no terminal to inject keystrokes into); the seccomp filter
 (`seccomp.py`); and death with its parent. Inside, the program runs as uid/gid 65534 with an empty
 environment but for LANG, HOME, TMPDIR and PATH.

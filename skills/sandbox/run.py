@@ -1,10 +1,12 @@
 """One sandboxed run: a program in, its (capped) output and how it ended out.
 
 The program is handed to bubblewrap in a memfd and appears as `main.py` in the sandbox's empty work
-dir; stdout and stderr are memfds too, so a run touches no host file. Inside, a short guard sets the
+dir; stdout and stderr are memfds too, so a run touches no host file. bwrap is started through the
+launcher (`launch.py`), which puts the run in a pids cgroup of its own and gives it a work dir whose
+inodes are capped as well as its bytes, where this machine allows. Inside, a short guard sets the
 resource limits (CPU time, address space, file size, which also caps the output, open files,
-processes and threads, no core dumps), tells the parent it started, closes every other descriptor
-and runs the program. The parent enforces the wall-clock limit by killing the sandbox's pid-1: the
+processes and threads, queued signals, no core dumps), tells the parent it started, closes every
+other descriptor and runs the program. The parent enforces the wall-clock limit by killing the sandbox's pid-1: the
 kernel then kills every process of the pid namespace (session leaders and daemons included) before
 bwrap exits, so nothing outlives a run. A run that never reached the guard is the machine's fault
 (`SandboxError`), never the program's.
@@ -20,8 +22,8 @@ import subprocess
 import time
 from dataclasses import dataclass
 
-from skillswarm.skills.sandbox import seccomp
-from skillswarm.skills.sandbox.bwrap import command, explain_failure
+from skillswarm.skills.sandbox import launch, seccomp
+from skillswarm.skills.sandbox.bwrap import WORKDIR, command, explain_failure
 from skillswarm.skills.sandbox.view import SandboxError, runtime_view
 
 
@@ -38,6 +40,7 @@ limit(resource.RLIMIT_AS, mem)
 limit(resource.RLIMIT_FSIZE, fsize)
 limit(resource.RLIMIT_NOFILE, nofile)
 limit(resource.RLIMIT_NPROC, nproc)
+limit(resource.RLIMIT_SIGPENDING, 64)  # each POSIX timer holds one: else ~100k timers of kernel memory
 limit(resource.RLIMIT_CORE, 0)
 os.write(status, b"1")
 os.closerange(3, 1 << 20)
@@ -59,8 +62,11 @@ except BaseException as e:
 @dataclass(frozen=True)
 class SandboxLimits:
     """What one run may use. `output_bytes` is what comes back; `file_bytes` caps every file it writes
-    (stdout included); `disk_bytes` caps its work dir; `processes` caps its tasks, threads included
-    (RLIMIT_NPROC: enforced for a non-root caller; for root the seccomp filter forbids new processes)."""
+    (stdout included); `disk_bytes` caps its work dir's bytes and `disk_files` its inodes (files,
+    directories, symlinks, hard links, main.py and the dir itself included; where the launcher can
+    mount the work dir, see `launch.py`); `processes` caps its tasks, threads included (its own pids
+    cgroup where one can be made, e.g. as root; RLIMIT_NPROC too, which the kernel enforces for a
+    non-root caller only; the seccomp filter forbids new processes in any case)."""
 
     cpu_seconds: int = 2
     wall_seconds: float = 5.0
@@ -70,10 +76,11 @@ class SandboxLimits:
     open_files: int = 32
     processes: int = 16
     disk_bytes: int = 16 << 20
+    disk_files: int = 4096
 
     def __post_init__(self) -> None:
         if min(self.cpu_seconds, self.memory_bytes, self.file_bytes, self.output_bytes, self.open_files,
-               self.processes, self.disk_bytes) < 1 or self.wall_seconds <= 0:
+               self.processes, self.disk_bytes) < 1 or self.disk_files < 2 or self.wall_seconds <= 0:
             raise ValueError("sandbox limits must be positive")
 
 
@@ -177,6 +184,7 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, use_seccom
         raise SandboxError(f"no seccomp filter for this architecture ({seccomp.machine()}); the sandbox supports "
                            "x86_64 and aarch64")
     fds: list[int] = []
+    cgroup = None
     try:
         code_fd = _memfd("main.py", code.encode("utf-8", "surrogateescape"))
         out_fd, err_fd = _memfd("stdout"), _memfd("stderr")
@@ -190,6 +198,9 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, use_seccom
         argv = [view.interpreter, "-I", "-S", "-B", "-c", _GUARD, str(limits.cpu_seconds), str(limits.memory_bytes),
                 str(limits.file_bytes), str(limits.open_files), str(limits.processes), str(status_w)]
         cmd = command(view, argv, code_fd=code_fd, info_fd=info_w, disk_bytes=limits.disk_bytes, seccomp_fd=filter_fd)
+        cgroup = launch.new_pids_cgroup(limits.processes + 2)  # + bwrap and the sandbox's init, both bwrap's
+        cmd = launch.launcher(cmd, workdir=WORKDIR, disk_bytes=limits.disk_bytes, disk_files=limits.disk_files,
+                              cgroup=cgroup)
         start = time.monotonic()
         try:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out_fd, stderr=err_fd, cwd="/", env={},
@@ -212,6 +223,8 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, use_seccom
     finally:
         for fd in fds:
             os.close(fd)
+        if cgroup is not None:
+            launch.release(cgroup)
     if not started:
         if killed:
             raise SandboxError(f"the python sandbox did not start within {limits.wall_seconds:g}s (machine overloaded?)")

@@ -1,10 +1,15 @@
 """The sandbox's seccomp filter: a classic-BPF program that bubblewrap installs (`--seccomp FD`) just
 before it starts the interpreter.
 
-It makes three promises the namespaces alone do not: no new processes (fork, vfork, clone without
+It makes four promises the namespaces alone do not: no new processes (fork, vfork, clone without
 CLONE_THREAD; clone3 answers ENOSYS so the C library falls back to clone, whose flags a filter can
-read), no sockets but AF_UNIX ones, and none of the kernel interfaces sandboxes are usually broken
-through (ptrace, namespaces and mounts, bpf, io_uring, userfaultfd, perf, keyrings, modules, kexec).
+read), no sockets but AF_UNIX ones, none of the kernel interfaces sandboxes are usually broken
+through (ptrace, namespaces and mounts, bpf, io_uring, userfaultfd, perf, keyrings, modules, kexec),
+and none of those that hold kernel memory or a host-wide table beyond the run's rlimits: Linux AIO
+(io_setup reserves from the host's fs.aio-max-nr, which one run could fill, and the host's own
+io_setup then fails), System V message queues, semaphores and shared memory (a run's IPC namespace
+allows 32,000 queues of 16 KiB each, and detached shared memory escapes RLIMIT_AS), POSIX message
+queues, and inotify (its instances count against the host user's fs.inotify.max_user_instances).
 A denied call fails with EPERM (EAFNOSUPPORT for socket families), so the program sees an ordinary
 OSError. A call made through another ABI (x32, or 32-bit code on a 64-bit kernel) kills the process.
 """
@@ -36,6 +41,11 @@ DENIED: dict[str, dict[str, int]] = {
         "swapon": 167, "swapoff": 168, "reboot": 169, "syslog": 103, "quotactl": 179, "open_by_handle_at": 304,
         "name_to_handle_at": 303, "lookup_dcookie": 212, "fanotify_init": 300, "uselib": 134, "vhangup": 153,
         "ioperm": 173, "iopl": 172, "modify_ldt": 154, "personality": 135, "pidfd_getfd": 438, "kcmp": 312,
+        # kernel memory and host-wide tables a run could take from the host (see the module docstring)
+        "io_setup": 206, "io_destroy": 207, "io_getevents": 208, "io_submit": 209, "io_cancel": 210,
+        "io_pgetevents": 333, "msgget": 68, "msgsnd": 69, "msgrcv": 70, "msgctl": 71, "semget": 64, "semop": 65,
+        "semctl": 66, "semtimedop": 220, "shmget": 29, "shmat": 30, "shmdt": 67, "shmctl": 31, "mq_open": 240,
+        "inotify_init": 253, "inotify_init1": 294,
     },
     "aarch64": {
         "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "kexec_load": 104, "kexec_file_load": 294,
@@ -46,6 +56,9 @@ DENIED: dict[str, dict[str, int]] = {
         "fsmount": 432, "fspick": 433, "mount_setattr": 442, "acct": 89, "swapon": 224, "swapoff": 225,
         "reboot": 142, "syslog": 116, "quotactl": 60, "open_by_handle_at": 265, "name_to_handle_at": 264,
         "lookup_dcookie": 18, "fanotify_init": 262, "vhangup": 58, "personality": 92, "pidfd_getfd": 438, "kcmp": 272,
+        "io_setup": 0, "io_destroy": 1, "io_submit": 2, "io_cancel": 3, "io_getevents": 4, "io_pgetevents": 292,
+        "msgget": 186, "msgctl": 187, "msgrcv": 188, "msgsnd": 189, "semget": 190, "semctl": 191, "semtimedop": 192,
+        "semop": 193, "shmget": 194, "shmctl": 195, "shmat": 196, "shmdt": 197, "mq_open": 180, "inotify_init1": 26,
     },
 }
 # (AUDIT_ARCH_*, clone, clone3, socket) per architecture.
@@ -88,5 +101,6 @@ def program(arch: str | None = None) -> bytes:
     # layout of `tail`: 0 jeq clone3, 1 ENOSYS, 2 jeq clone, 3 ld arg0, 4 jset thread, 5 jeq socket,
     # 6 ld arg0, 7 jeq AF_UNIX, 8 EAFNOSUPPORT, 9 EPERM, 10 ALLOW (jumps count from the next instruction).
     # Each denied number jumps forward to the shared EPERM, tail[9].
+    assert len(denied) + 8 <= 255, "a BPF jump reaches at most 255 instructions: split the denied list"
     checks = [_ins(_JEQ, nr, len(denied) - i + 8, 0) for i, nr in enumerate(denied)]
     return b"".join(head + checks + tail)
