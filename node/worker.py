@@ -26,6 +26,7 @@ from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, NetworkSpec, SkillStats, TrainStats
 from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.skills.registry import check_network, skill_names
+from skillswarm.node.rl.engines.base import DEFAULT_ENGINE
 
 if TYPE_CHECKING:
     from skillswarm.node.rl.config import TrainConfig
@@ -45,7 +46,7 @@ class WorkerOptions:
     """How this worker trains (defaults come from the network's round policy)."""
 
     skill: str
-    engine: str = "hf"
+    engine: str = DEFAULT_ENGINE
     lora: bool = False
     steps_per_round: int | None = None
     minutes_per_round: float | None = None  # a round also ends after this many minutes of training

@@ -14,9 +14,9 @@ import openai
 import pytest
 
 from skillswarm.node.endpoint.limits import StoreLimits
-from skillswarm.node.endpoint.records import decode_group
 from skillswarm.node.endpoint.serve import build_service, running
-from skillswarm.node.endpoint.store import EXPIRED_FILE, GROUPS_FILE, FeedbackError, TrajectoryStore
+from skillswarm.node.endpoint.store import FeedbackError, TrajectoryStore
+from skillswarm.node.rl.records import EXPIRED_FILE, GROUPS_FILE, decode_group
 from skillswarm.skills.registry import get_skill
 from tests.conftest import run_cli
 

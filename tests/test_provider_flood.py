@@ -190,7 +190,7 @@ def test_an_honest_blob_arrives_within_the_rounds_deadline_past_30_providers_tha
     _flood(swarm, [_forged_provider(sha, size, [blackholes[i % len(blackholes)]], created)
                    for i, created in enumerate(_dates(30))])
     for dht in mute:
-        dht._announce(sha, size)
+        dht.announce_blob(sha, size)
     assert len(fetcher.dht._records([keys.providers_key(NET, sha)], ProviderRecord)) >= 30
 
     # The coordinator's fetch: the round's budget for all, and each download's own deadline from its size.
@@ -205,7 +205,7 @@ def test_an_honest_blob_arrives_within_the_rounds_deadline_past_30_providers_tha
     _flood(swarm, [_forged_provider(second, size, [blackholes[i % len(blackholes)]], created)
                    for i, created in enumerate(_dates(30))])
     for dht in mute:
-        dht._announce(second, size)
+        dht.announce_blob(second, size)
     report = fetcher.dht.fetch_report(second, size=size, max_size=size, store=fetcher.store, progress=False)
     assert sha256_file(Path(report.path)) == second
     assert {peer for peer, _, _ in report.segments} == {honest.id}, report
@@ -216,7 +216,7 @@ def test_an_honest_blob_arrives_within_the_rounds_deadline_past_30_providers_tha
     _flood(swarm, [_forged_provider(third, size, [blackholes[i % len(blackholes)]], created)
                    for i, created in enumerate(_dates(30))])
     for dht in mute:
-        dht._announce(third, size)
+        dht.announce_blob(third, size)
     records = sorted(fetcher.dht._records([keys.providers_key(NET, third)], ProviderRecord),
                      key=lambda r: (r.peer_id == honest.id, -r.created))
     assert len(records) >= 30 and records[-1].peer_id == honest.id

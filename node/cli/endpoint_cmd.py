@@ -11,6 +11,7 @@ from rich.markup import escape
 
 from skillswarm.node.cli.common import JsonOpt, console, err_console, print_json
 from skillswarm.node.endpoint.limits import DEFAULT_HOST, DEFAULT_PORT, StoreLimits
+from skillswarm.node.rl.engines.base import DEFAULT_ENGINE
 
 app = typer.Typer(help="Serve a model behind an OpenAI-compatible API and record every call for training.",
                   no_args_is_help=True)
@@ -30,7 +31,7 @@ def serve_cmd(
     port: Annotated[int, typer.Option(help="Port to listen on.", min=0, max=65535)] = DEFAULT_PORT,
     api_key: Annotated[Optional[str], typer.Option(help="Require `Authorization: Bearer KEY` (default: "
                                                    "SKILLSWARM_API_KEY, else none).", show_default=False)] = None,
-    engine: Annotated[str, typer.Option(help="Inference engine: hf or vllm (GPU).")] = "hf",
+    engine: Annotated[str, typer.Option(help="Inference engine: hf or vllm (GPU).")] = DEFAULT_ENGINE,
     max_batch: Annotated[int, typer.Option(help="Most sequences generated in one engine batch.", min=1)] = 64,
     threads: Annotated[Optional[int], typer.Option(help="Torch threads (default: 1 for small models, else all cores).",
                                                    min=1)] = None,

@@ -9,6 +9,7 @@ import typer
 from skillswarm.node.cli.common import KeyOpt, console
 from skillswarm.node.cli.swarm_opts import AnnounceOpt, AutoRelayOpt, HostOpt, NetworkOpt, PeersOpt, PortOpt
 from skillswarm.node.rl.config import TrainConfig, default_of
+from skillswarm.node.rl.engines.base import DEFAULT_ENGINE
 
 
 def _d(name: str) -> Any:
@@ -24,7 +25,7 @@ def run(
     network: NetworkOpt,
     skill: Annotated[str, typer.Option(help="The skill shard to train (one of the network's skills).")],
     peers: PeersOpt = None,
-    engine: Annotated[str, typer.Option(help="Inference engine: hf (CPU or GPU) or vllm (GPU, the vllm extra).")] = "hf",
+    engine: Annotated[str, typer.Option(help="Inference engine: hf (CPU or GPU) or vllm (GPU, the vllm extra).")] = DEFAULT_ENGINE,
     lora: Annotated[bool, typer.Option(help="Train LoRA adapters instead of all weights.")] = False,
     steps_per_round: Annotated[Optional[int], typer.Option(help="Optimizer steps per round (default: the network's).")] = None,
     minutes_per_round: Annotated[Optional[float], typer.Option(help="Also end each round's training after this many minutes (whichever comes first).", min=0.01)] = None,

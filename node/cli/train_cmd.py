@@ -68,6 +68,7 @@ def train_cmd(
     """Train a model on one skill with GRPO (async by default); writes OUT/model and OUT/delta.safetensors
     (with --lora also OUT/adapter, a PEFT adapter directory)."""
     from skillswarm.node.cli.eval_cmd import _default_model
+    from skillswarm.node.endpoint.training import endpoint_source
     from skillswarm.node.rl.run import train
 
     cfg = TrainConfig(model_dir=model if model is not None else _default_model(), skill=skill, steps=steps, out_dir=out,
@@ -82,7 +83,7 @@ def train_cmd(
     if not json_out:
         err_console.print(f"training [bold]{skill}[/] on {cfg.model_dir} ({cfg.mode()}, {engine}"
                           f"{', LoRA' if lora else ''}) -> {out}", highlight=False)
-    result = train(cfg, progress=not json_out)
+    result = train(cfg, progress=not json_out, endpoint_source=endpoint_source)
     stats = result.stats
     data = {"run_dir": str(result.run_dir), "model_dir": str(result.model_dir), "metrics": str(result.metrics_path),
             "delta": None if result.delta is None else {"path": str(result.delta.path), "sha256": result.delta.sha256,

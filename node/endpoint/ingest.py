@@ -23,7 +23,9 @@ from typing import Any, Callable
 import torch
 
 from skillswarm.node.endpoint.messages import RequestError, to_internal
-from skillswarm.node.endpoint.records import (
+from skillswarm.node.endpoint.store import append_lines, open_store
+from skillswarm.node.rl.records import (
+    GROUPS_FILE,
     Call,
     GroupRecord,
     Segment,
@@ -32,7 +34,6 @@ from skillswarm.node.endpoint.records import (
     encode_line,
     opening_key,
 )
-from skillswarm.node.endpoint.store import GROUPS_FILE, append_lines, open_store
 from skillswarm.protocol.errors import SkillswarmError
 from skillswarm.protocol.hashing import weights_hash
 from skillswarm.skills.chat import episode_tokens

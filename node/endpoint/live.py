@@ -17,9 +17,9 @@ from typing import Any, Callable
 
 from skillswarm.node.endpoint.limits import DEFAULT_HOST, StoreLimits
 from skillswarm.node.endpoint.service import EndpointService
-from skillswarm.node.endpoint.source import StoreSource
 from skillswarm.node.endpoint.store import TrajectoryStore, open_store
 from skillswarm.node.rl.groups import Batch
+from skillswarm.node.rl.store_source import StoreSource
 from skillswarm.skills.skill import Skill
 
 log = logging.getLogger(__name__)

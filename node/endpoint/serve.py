@@ -17,11 +17,12 @@ from skillswarm.node.endpoint.service import EndpointService
 from skillswarm.node.endpoint.store import TrajectoryStore, open_store
 from skillswarm.protocol.errors import NetworkError
 from skillswarm.protocol.hashing import weights_hash
+from skillswarm.node.rl.engines.base import DEFAULT_ENGINE
 
 log = logging.getLogger(__name__)
 
 def build_service(model_dir: Path, store_dir: Path, *, name: str | None = None, skill: str | None = None,
-                  engine: str = "hf", device: str | None = None, limits: StoreLimits = StoreLimits(),
+                  engine: str = DEFAULT_ENGINE, device: str | None = None, limits: StoreLimits = StoreLimits(),
                   max_batch: int = 64, model_name: str | None = None, max_new_tokens: int | None = None) -> EndpointService:
     """An endpoint service on the model in `model_dir`, recording into `store_dir` under `name`
     (default: the skill's name, else "default")."""

@@ -22,9 +22,9 @@ from urllib.parse import parse_qsl
 
 from skillswarm.node.endpoint.batcher import GenerationQueue
 from skillswarm.node.endpoint.messages import RequestError, assistant_text, offered_tools, to_internal, tool_calls_of
-from skillswarm.node.endpoint.records import Call, Segment, Trajectory
 from skillswarm.node.endpoint.store import TrajectoryStore
 from skillswarm.node.rl.config import TrainConfig, default_of
+from skillswarm.node.rl.records import Call, Segment, Trajectory
 from skillswarm.skills.chat import encode, render, suffix
 from skillswarm.skills.environment import EpisodeState
 from skillswarm.skills.episode import Message

@@ -22,13 +22,20 @@ from typing import Any
 import msgspec
 
 from skillswarm.node.endpoint.limits import StoreLimits
-from skillswarm.node.endpoint.records import GroupRecord, Trajectory, check_reward, encode_line, opening_key
+from skillswarm.node.rl.records import (
+    EXPIRED_FILE,
+    GROUPS_FILE,
+    MANIFEST,
+    GroupRecord,
+    Trajectory,
+    check_reward,
+    encode_line,
+    opening_key,
+)
 from skillswarm.protocol.atomic import atomic_write_text
 from skillswarm.protocol.errors import SkillswarmError
 
 log = logging.getLogger(__name__)
-
-GROUPS_FILE, EXPIRED_FILE, MANIFEST = "groups.jsonl", "expired.jsonl", "store.json"
 
 
 class StoreError(SkillswarmError):
@@ -60,14 +67,6 @@ def open_store(directory: Path, model_hash: str, name: str) -> Path:
         atomic_write_text(manifest, msgspec.json.encode({"model_hash": model_hash, "name": name,
                                                          "created": time.time()}).decode() + "\n")
     return directory
-
-
-def store_model_hash(directory: Path) -> str | None:
-    """The weights hash a store was recorded with (None when it has no manifest)."""
-    try:
-        return msgspec.json.decode((Path(directory) / MANIFEST).read_bytes()).get("model_hash")
-    except (OSError, msgspec.DecodeError, AttributeError):
-        return None
 
 
 def append_lines(path: Path, lines: list[bytes]) -> None:

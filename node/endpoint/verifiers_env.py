@@ -27,14 +27,15 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from skillswarm.node.endpoint.messages import RequestError, normalized
-from skillswarm.node.endpoint.source import StoreSource
-from skillswarm.node.endpoint.store import GROUPS_FILE, FeedbackError, TrajectoryStore
-from skillswarm.node.endpoint.verifiers_check import (
+from skillswarm.node.endpoint.store import FeedbackError, TrajectoryStore
+from skillswarm.node.rl.groups import Batch, SourceDrained
+from skillswarm.node.rl.records import GROUPS_FILE
+from skillswarm.node.rl.store_source import StoreSource
+from skillswarm.node.rl.verifiers_check import (
     INSTALL_EXTRA,
     env_id_of,
     install_hint,
 )
-from skillswarm.node.rl.groups import Batch, SourceDrained
 from skillswarm.protocol.errors import SkillError, TrainError
 
 if TYPE_CHECKING:

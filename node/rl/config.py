@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from skillswarm.protocol.errors import TrainError
+from skillswarm.node.rl.engines.base import DEFAULT_ENGINE
 
 Variant = Literal["grpo", "dr_grpo", "dapo"]
 VARIANTS: tuple[str, ...] = ("grpo", "dr_grpo", "dapo")
@@ -155,7 +156,7 @@ class TrainConfig:
     eval_n: int = EVAL_N  # 0: no held-out eval at all
     save_every: int = 50  # 0: only at the end
     seed: int = 0
-    engine: str = "hf"
+    engine: str = DEFAULT_ENGINE
     device: str | None = None
     sync: bool = False
     async_mode: str = "auto"  # auto: a separate process for hf (CPU or GPU), a thread for vllm
@@ -181,8 +182,8 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise TrainError on settings that cannot work, saying which and why."""
-        from skillswarm.node.endpoint.verifiers_check import verifiers_problems
         from skillswarm.node.rl.engines import ENGINES, check_engine
+        from skillswarm.node.rl.verifiers_check import verifiers_problems
         from skillswarm.node.tracking import check_trackers
         from skillswarm.skills.registry import skill_names
 
@@ -241,7 +242,7 @@ class TrainConfig:
         if self.store is None:
             return ["--skill external:NAME trains on recorded trajectories: give the store with --store DIR, or "
                     "--serve PORT to serve the policy and record them"]
-        from skillswarm.node.endpoint.store import store_model_hash
+        from skillswarm.node.rl.records import store_model_hash
         from skillswarm.protocol.hashing import weights_hash
 
         held = store_model_hash(self.store)
@@ -256,7 +257,7 @@ class TrainConfig:
     def mode(self) -> str:
         """sync, process or thread; store when training on recorded trajectories, live when serving and training on
         what it records, verifiers for an environment's rollouts."""
-        from skillswarm.node.endpoint.verifiers_check import VERIFIERS_PREFIX
+        from skillswarm.node.rl.verifiers_check import VERIFIERS_PREFIX
 
         if self.serve_port is not None:
             return "live"

@@ -26,7 +26,6 @@ from typing import Any, Callable
 
 import torch
 
-from skillswarm.node.endpoint.verifiers_check import VERIFIERS_PREFIX
 from skillswarm.node.rl.config import TrainConfig
 from skillswarm.node.rl.engines import load_engine
 from skillswarm.node.rl.engines.hf import HFEngine, load_model_dir
@@ -37,10 +36,20 @@ from skillswarm.node.rl.outputs import save_outputs, train_stats, write_result
 from skillswarm.node.rl.rundir import METRICS, MetricsLog, load_checkpoint, prepare_run_dir, save_checkpoint
 from skillswarm.node.rl.sources import GeneratorSpec, Mailbox, ProcessSource, SyncSource, ThreadSource, model_threads
 from skillswarm.node.rl.trainer import Trainer
+from skillswarm.node.rl.verifiers_check import VERIFIERS_PREFIX
 from skillswarm.node.tracking import open_trackers
+from skillswarm.protocol.errors import TrainError
 from skillswarm.protocol.records import TrainStats
 
 log = logging.getLogger(__name__)
+
+ENDPOINT_MODES = ("live", "verifiers")
+# Where a run that serves its policy through the recording endpoint gets its batches: (settings, trainer, run
+# directory, device, skill or None, first batch, should-stop check) -> (source, publish(weights, version)).
+# The endpoint provides it (skillswarm.node.endpoint.training.endpoint_source); the caller passes it in, as
+# `skillswarm train` does.
+EndpointSource = Callable[[TrainConfig, Any, Path, str, Any, int, Callable[[], bool]],
+                          tuple[Any, Callable[[Any, int], None]]]
 
 
 @dataclass
@@ -57,14 +66,18 @@ class TrainResult:
 
 
 def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[dict[str, Any]], None] | None = None,
-          stop: threading.Event | None = None) -> TrainResult:
-    """Run GRPO as configured; see the module docstring. Safe to call from a thread that runs an event loop."""
+          stop: threading.Event | None = None, endpoint_source: EndpointSource | None = None) -> TrainResult:
+    """Run GRPO as configured; see the module docstring. Safe to call from a thread that runs an event loop.
+    A run that serves its policy through the recording endpoint (`live`, `verifiers`) needs `endpoint_source`."""
     cfg.validate()
+    if cfg.mode() in ENDPOINT_MODES and endpoint_source is None:
+        raise TrainError(f"a {cfg.mode()} run plays against the recording endpoint: pass train() an endpoint_source "
+                         "(skillswarm.node.endpoint.training.endpoint_source)")
     threads = model_threads(cfg.model_dir, cfg.threads)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        run = _Run(cfg, threads, progress, on_step, stop or threading.Event())
+        run = _Run(cfg, threads, progress, on_step, stop or threading.Event(), endpoint_source)
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -89,8 +102,9 @@ def train(cfg: TrainConfig, progress: bool = True, on_step: Callable[[dict[str, 
 
 class _Run:
     def __init__(self, cfg: TrainConfig, threads: int, progress: bool, on_step: Callable[[dict[str, Any]], None] | None,
-                 stop: threading.Event) -> None:
+                 stop: threading.Event, endpoint_source: EndpointSource | None = None) -> None:
         self.cfg, self.threads, self.show_progress, self.on_step, self.stop = cfg, threads, progress, on_step, stop
+        self.endpoint_source = endpoint_source
         self.run_dir = cfg.out_dir
         self.metrics_path = self.run_dir / METRICS
         self.device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -143,23 +157,16 @@ class _Run:
     def _source(self) -> Any:
         cfg, start = self.cfg, int(self.state["next_batch"])
         if self.mode == "store":
-            from skillswarm.node.endpoint.source import StoreSource
+            from skillswarm.node.rl.store_source import StoreSource
 
             self.engine, self.publish = None, None
             return StoreSource(cfg.store, cfg.external_name(), cfg.batch, cfg.loss, cfg.temperature, start,  # type: ignore[arg-type]
                                cfg.store_wait_s)
-        if self.mode == "live":  # an endpoint on its own engine, serving each new policy; harnesses play against it
-            from skillswarm.node.endpoint.live import live_source
-
+        if self.mode in ENDPOINT_MODES:  # an endpoint on its own engine, serving each new policy: harnesses (live)
+            assert self.endpoint_source is not None  # or the environment (verifiers) play against it; train() checks
             self.engine = None
-            source, self.publish = live_source(cfg, self.trainer, self.run_dir, self.device, self.skill, start,
-                                               lambda: self.stop.is_set() or self._deadline_passed())
-            return source
-        if self.mode == "verifiers":  # an endpoint on its own engine; the environment plays against it
-            from skillswarm.node.endpoint.verifiers_env import verifiers_source
-
-            self.engine = None
-            source, self.publish = verifiers_source(cfg, self.trainer, self.run_dir, self.device, start)
+            source, self.publish = self.endpoint_source(cfg, self.trainer, self.run_dir, self.device, self.skill, start,
+                                                        lambda: self.stop.is_set() or self._deadline_passed())
             return source
         if self.mode == "process":
             spec = GeneratorSpec(cfg.engine, str(cfg.model_dir), cfg.skill, cfg.rollout_config(), start, self.threads,

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 import torch
 
-from skillswarm.node.rl.config import LossConfig
+from skillswarm.node.rl.config import LossConfig, OptimConfig
 from skillswarm.node.rl.groups import Group, Sample
 from skillswarm.node.rl.grpo import policy_loss, token_weights
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from skillswarm.protocol.atomic import WriteBehind
 from skillswarm.protocol.errors import BlobError
 from skillswarm.protocol.transport.blobs import SYNC_EVERY, BlobStore, partial_pieces_path
-from skillswarm.protocol.transport.receiving import _Clock, _Rejected, _Stopped
+from skillswarm.protocol.transport.receiving import Clock, Rejected, Stopped
 from skillswarm.protocol.transport.pieces import PIECE_SIZE, digest_of, pack_bits, piece_span
 from skillswarm.protocol.transport.wire import FetchReport
 
@@ -77,7 +77,7 @@ class Assembly:
     hash cursor. Every method that changes it holds `cond`."""
 
     def __init__(self, sha: str, size: int, piece_list: bytes, have: list[bool], part: PieceFile,
-                 report: FetchReport, clock: _Clock) -> None:
+                 report: FetchReport, clock: Clock) -> None:
         self.sha, self.size, self.piece_list, self.part = sha, size, piece_list, part
         self.report, self.clock = report, clock
         self.n = len(have)
@@ -319,9 +319,9 @@ class Checker:
 
     def buffer(self) -> bytearray:
         if self.bad:
-            raise _Rejected(self.bad)
+            raise Rejected(self.bad)
         if self.error is not None:
-            raise _Stopped
+            raise Stopped
         return self._free.get()
 
     def put(self, i: int, buf: bytearray, n: int) -> None:
@@ -336,8 +336,8 @@ class Checker:
     def __exit__(self, *exc: object) -> None:
         self._full.put(None)
         self._thread.join()
-        if self.bad and exc[0] is not _Rejected:  # a bad piece outweighs a stream that broke after it
-            raise _Rejected(self.bad)
+        if self.bad and exc[0] is not Rejected:  # a bad piece outweighs a stream that broke after it
+            raise Rejected(self.bad)
 
 
 def publish(part: PieceFile, final: Path, store: BlobStore, sha: str, size: int, piece_list: bytes) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar
 
 from skillswarm.protocol.transport.blobs import BlobStore, check_sha256
+from skillswarm.protocol.transport.downloads import fetch_many, fetch_one
 from skillswarm.protocol.codec import decode_record, encode_record
 from skillswarm.protocol.errors import BlobError, NetworkError, RecordError
 from skillswarm.protocol.identity import Identity, verify_record
@@ -188,9 +189,11 @@ class SwarmDHT:
     def run_coroutine(self, fn: Callable[..., Any], timeout: float | None = CALL_TIMEOUT, **kwargs: Any) -> Any:
         """Run `await fn(hivemind_dht, dht_node, **kwargs)` inside the DHT process and return its result.
         `fn` must be a module-level coroutine function; its exceptions are raised here."""
-        return self._wait(self._submit(fn, kwargs), timeout)
+        return self.wait_for(self.submit(fn, kwargs), timeout)
 
-    def _submit(self, fn: Callable[..., Any], kwargs: dict) -> concurrent.futures.Future:
+    def submit(self, fn: Callable[..., Any], kwargs: dict) -> concurrent.futures.Future:
+        """Start `await fn(hivemind_dht, dht_node, **kwargs)` in the DHT process without waiting: its future, for
+        `wait_for` (a download waits on it while its progress ticks)."""
         from skillswarm.protocol.transport.dht_process import guarded
 
         if self._node is None:
@@ -198,7 +201,10 @@ class SwarmDHT:
         with self._pipe_lock:
             return self._node.run_coroutine(partial(guarded, fn=fn, kwargs=kwargs), return_future=True)
 
-    def _wait(self, future: concurrent.futures.Future, timeout: float | None, tick: Callable[[], None] | None = None) -> Any:
+    def wait_for(self, future: concurrent.futures.Future, timeout: float | None,
+                 tick: Callable[[], None] | None = None) -> Any:
+        """The result of a `submit`ted call, waiting at most `timeout` seconds (calling `tick` every 0.2 s); a
+        `NetworkError` when the DHT process stops or does not answer in time."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
@@ -415,15 +421,20 @@ class SwarmDHT:
         if self._store is None or self._store.root != store.root:
             self.serve_blobs(store)
         store.pieces(sha)  # its piece list, ready for fetchers that download piece by piece
-        return self._announce(sha, store.size(sha), ttl)
+        return self.announce_blob(sha, store.size(sha), ttl)
 
-    def _announce(self, sha: str, size: int, ttl: float = 600.0) -> ProviderRecord:
+    def announce_blob(self, sha: str, size: int, ttl: float = 600.0) -> ProviderRecord:
         """Keep a ProviderRecord for blob `sha` in the DHT (also while a download of it into the served store
         is in flight: its verified pieces are served), until `unprovide`."""
         record = self.identity.sign_record(ProviderRecord(
             network=self._net, peer_id=self.identity.peer_id, blob=sha, size=size, addrs=self.visible_maddrs()[:16]))
         self.put(record, ttl, keep=True)
         return record
+
+    @property
+    def served_root(self) -> Path | None:
+        """The root of the blob store this node serves (`serve_blobs`), or None while it serves none."""
+        return None if self._store is None else self._store.root
 
     def unprovide(self, sha: str) -> None:
         """Stop announcing blob `sha` (existing announcements expire on their own)."""
@@ -449,8 +460,6 @@ class SwarmDHT:
         for. With `tree` (the tree hash from the record naming the blob) it downloads from every provider at
         once, verifying each piece (`swarm`). It ends by `deadline_s` (default: `grace_s` + size / `min_rate`,
         from `wire.GRACE_S` and `wire.MIN_RATE`; `max_size` stands for an unknown size). Returns a `FetchReport`."""
-        from skillswarm.protocol.transport.downloads import fetch_one
-
         return fetch_one(self, sha, size=size, max_size=max_size, store=store or BlobStore(), providers=providers,
                          progress=progress, stall_timeout=stall_timeout, min_rate=min_rate, deadline_s=deadline_s,
                          grace_s=grace_s, tree=tree)
@@ -461,7 +470,5 @@ class SwarmDHT:
                    stall_timeout: float = 30.0) -> dict[str, Path | BlobError]:
         """Fetch (sha, size or None, max_size[, tree hash]) items at most `max_parallel` at once, each under its own
         deadline and all within `budget_s` (what is not done by then is stopped); sha -> its Path or its BlobError."""
-        from skillswarm.protocol.transport.downloads import fetch_many
-
         return fetch_many(self, items, budget_s=budget_s, store=store or BlobStore(), max_parallel=max_parallel,
                           progress=progress, min_rate=min_rate, grace_s=grace_s, stall_timeout=stall_timeout)

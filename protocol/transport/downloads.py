@@ -20,7 +20,7 @@ import time
 import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from skillswarm.protocol.transport.blobs import BlobStore, check_sha256, held_bytes
 from skillswarm.protocol.errors import BlobError, NetworkError
@@ -31,14 +31,34 @@ from skillswarm.protocol.records import ProviderRecord
 from skillswarm.protocol.transport.swarm import add_sources, fetch_pieces
 from skillswarm.protocol.transport.wire import GRACE_S, MIN_RATE, FetchReport, Source, deadline_for
 
-if TYPE_CHECKING:
-    from skillswarm.protocol.transport.dht import SwarmDHT
-
 logger = logging.getLogger(__name__)
 
 Item = tuple  # (sha, size or None when unknown, max_size[, tree hash or None])
 ANNOUNCE_TTL_S = 120.0  # a download's provider record: short, so one left by a failed download soon expires
 REFRESH_S = 3.0  # how often a piece-by-piece download re-reads who provides the blob, so late announcers join
+
+
+class DownloadHost(Protocol):
+    """What a download needs of the node's DHT peer (`dht.SwarmDHT` is one): calls into its DHT process, its
+    provider records and what it serves. A protocol, so this module never imports the DHT wrapper that calls it."""
+
+    @property
+    def is_running(self) -> bool: ...
+
+    @property
+    def served_root(self) -> Path | None: ...
+
+    def submit(self, fn: Callable[..., Any], kwargs: dict) -> Future: ...
+
+    def wait_for(self, future: Future, timeout: float | None, tick: Callable[[], None] | None = None) -> Any: ...
+
+    def run_coroutine(self, fn: Callable[..., Any], timeout: float | None = ..., **kwargs: Any) -> Any: ...
+
+    def get_providers(self, sha: str, *, limit: int | None = None) -> list[ProviderRecord]: ...
+
+    def announce_blob(self, sha: str, size: int, ttl: float = ...) -> ProviderRecord: ...
+
+    def unprovide(self, sha: str) -> None: ...
 
 
 def _limits(min_rate: Any, deadline_s: Any, grace_s: Any, stall_timeout: Any) -> tuple[float, float]:
@@ -57,7 +77,7 @@ def _byte_count(name: str, value: Any) -> None:
         raise BlobError(f"{name}={value!r}: give a number of bytes (a whole number, 0 or more)")
 
 
-def fetch_one(dht: SwarmDHT, sha: str, *, size: int | None, max_size: int, store: BlobStore,
+def fetch_one(dht: DownloadHost, sha: str, *, size: int | None, max_size: int, store: BlobStore,
               providers: Sequence[str | ProviderRecord] | None, progress: bool, stall_timeout: float,
               min_rate: float | None, deadline_s: float | None, grace_s: float | None,
               token: str | None = None, tree: str | None = None) -> FetchReport:
@@ -88,16 +108,16 @@ def fetch_one(dht: SwarmDHT, sha: str, *, size: int | None, max_size: int, store
         store.check_room(size, sha)  # refused before any byte moves (the DHT process checks again)
     if deadline_s is None:
         deadline_s = deadline_for(size if size is not None else max_size, min_rate, grace_s)
-    # SwarmDHT's own submit and wait: one pipe to the DHT process, one waiting loop.
+    # the peer's own submit and wait: one pipe to the DHT process, one waiting loop
     args = dict(sha=sha, sources=sources, root=str(store.root), size=size, max_size=max_size, stall_s=stall_timeout,
                 deadline_s=deadline_s, min_rate=min_rate, grace_s=grace_s, max_bytes=store.max_bytes, token=token)
     announced = _announce_download(dht, sha, size, store, tree)
-    future = dht._submit(fetch_blob, args) if tree is None else dht._submit(_fetch_pieces, {**args, "tree": tree})
+    future = dht.submit(fetch_blob, args) if tree is None else dht.submit(_fetch_pieces, {**args, "tree": tree})
     try:
         with PartialProgress(store.partial_path(sha), size, f"blob {sha[:12]}", enabled=progress) as bar:
             # The DHT process keeps the deadline; this wait only backs it up.
             tick = _refresher(dht, sha, store, bar.update) if refresh else bar.update
-            return dht._wait(future, deadline_s + stall_timeout + 30, tick=tick)
+            return dht.wait_for(future, deadline_s + stall_timeout + 30, tick=tick)
     except BlobError:
         if announced and not store.has(sha):
             dht.unprovide(sha)
@@ -125,7 +145,7 @@ async def _fetch_pieces(dht: Any, node: Any, **kwargs: Any) -> FetchReport:
     return report
 
 
-def _refresher(dht: SwarmDHT, sha: str, store: BlobStore, update: Any) -> Any:
+def _refresher(dht: DownloadHost, sha: str, store: BlobStore, update: Any) -> Any:
     """A wait loop's tick: `update` the progress and, every REFRESH_S, hand the download in flight the providers
     the DHT lists now (nodes that started pulling the blob after it did serve the pieces they hold)."""
     last = time.monotonic()
@@ -138,28 +158,28 @@ def _refresher(dht: SwarmDHT, sha: str, store: BlobStore, update: Any) -> Any:
         last = time.monotonic()
         try:
             found = [Source(p.peer_id, tuple(p.addrs), p.size) for p in dht.get_providers(sha)]
-            dht._submit(add_sources, dict(root=str(store.root), sha=sha, sources=found))  # no need to wait for it
+            dht.submit(add_sources, dict(root=str(store.root), sha=sha, sources=found))  # no need to wait for it
         except Exception:  # a DHT hiccup must not stop the download itself
             logger.debug("could not re-read the providers of blob %s", sha[:12], exc_info=True)
 
     return tick
 
 
-def _announce_download(dht: SwarmDHT, sha: str, size: int | None, store: BlobStore, tree: str | None) -> bool:
+def _announce_download(dht: DownloadHost, sha: str, size: int | None, store: BlobStore, tree: str | None) -> bool:
     """A node that serves the store it downloads into announces itself as a provider of a blob it fetches
     piece by piece as the download starts, so other fetchers take the pieces it holds from it (a checkpoint
     spreads from every worker pulling it, not from its coordinator alone). True if it did."""
-    if tree is None or size is None or dht._store is None or dht._store.root != store.root:
+    if tree is None or size is None or dht.served_root != store.root:
         return False
     try:
-        dht._announce(sha, size, ANNOUNCE_TTL_S)
+        dht.announce_blob(sha, size, ANNOUNCE_TTL_S)
     except Exception:  # a DHT hiccup must not stop the download itself
         logger.debug("could not announce blob %s while fetching it", sha[:12], exc_info=True)
         return False
     return True
 
 
-def _cancel(dht: SwarmDHT, tokens: list[str], why: str) -> None:
+def _cancel(dht: DownloadHost, tokens: list[str], why: str) -> None:
     try:
         dht.run_coroutine(cancel_fetches, timeout=10, tokens=tokens, why=why)
     except Exception:  # the DHT process is gone or not answering: nothing is left to stop
@@ -181,7 +201,7 @@ def _items(items: Iterable[Item]) -> list[Item]:
     return list(wanted.values())
 
 
-def fetch_many(dht: SwarmDHT, items: Iterable[Item], *, budget_s: float, store: BlobStore, max_parallel: int = 4,
+def fetch_many(dht: DownloadHost, items: Iterable[Item], *, budget_s: float, store: BlobStore, max_parallel: int = 4,
                progress: bool = False, min_rate: float | None = None, grace_s: float | None = None,
                stall_timeout: float = 30.0) -> dict[str, Path | BlobError]:
     """Fetch `items` through `dht`, at most `max_parallel` at once, all within `budget_s` (see

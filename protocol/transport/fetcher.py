@@ -44,7 +44,7 @@ from skillswarm.protocol.transport.blobs import BlobStore, PartialDownload, chec
 from skillswarm.protocol.errors import BlobError
 from skillswarm.protocol.transport.observed import Observed, observed
 from skillswarm.protocol.transport.receiving import (
-    _Busy, _check_header, _Clock, _Missing, _receive, _Rejected, _Room, _Slow, _Stopped, _Transient, open_request,
+    Busy, check_header, Clock, Missing, receive, Rejected, Room, Slow, Stopped, Transient, open_request,
     read_header,
 )
 from skillswarm.protocol.transport.wire import (
@@ -75,7 +75,7 @@ class _Race:
     other stream down (a thread blocked reading one wakes, closes it and gives up) and closes those that answered
     too late to win (their threads have returned them)."""
 
-    def __init__(self, clock: _Clock) -> None:
+    def __init__(self, clock: Clock) -> None:
         self.clock = clock
         self.over = False
         self._lock = threading.Lock()
@@ -118,12 +118,12 @@ class _Race:
                     sock.close()
 
 
-def _answer(control_path: str, src: Source, sha: str, offset: int, size: int | None, max_size: int, clock: _Clock,
+def _answer(control_path: str, src: Source, sha: str, offset: int, size: int | None, max_size: int, clock: Clock,
             stall_s: float, answer_s: float, race: _Race) -> _Answer:
     """(Worker thread) ask one provider for the blob's bytes from `offset`: open a stream, send the request, read
     a header that suits the download and see the first byte after it arrive, all within `answer_s` (a provider's
     bytes follow its header at once: one that sends a header and then nothing does not win a race); returns the
-    stream, when it opened, and the header. Raises as `_receive` does, or `_Lost` once another provider won."""
+    stream, when it opened, and the header. Raises as `receive` does, or `_Lost` once another provider won."""
     started = time.monotonic()
     sock, opened = open_request(control_path, src, clock, min(stall_s, answer_s))
     try:
@@ -131,15 +131,15 @@ def _answer(control_path: str, src: Source, sha: str, offset: int, size: int | N
             raise _Lost
         sock.sendall(frame(BlobRequest(sha=sha, offset=offset)))
         header = read_header(sock, clock, opened, within=max(0.05, started + answer_s - opened))
-        _check_header(header, src, size, max_size)
+        check_header(header, src, size, max_size)
         if header.size > offset:
             sock.settimeout(max(0.001, min(started + answer_s - time.monotonic(), clock.left())))
             try:
                 if not sock.recv(1, socket.MSG_PEEK):
-                    raise _Transient("its stream ended after the header")
+                    raise Transient("its stream ended after the header")
             except TimeoutError:
                 clock.check()
-                raise _Slow(f"sent a header and no byte after it within {answer_s:.3g} s") from None
+                raise Slow(f"sent a header and no byte after it within {answer_s:.3g} s") from None
             sock.settimeout(stall_s)
         if not race.answered(sock):
             raise _Lost
@@ -149,17 +149,17 @@ def _answer(control_path: str, src: Source, sha: str, offset: int, size: int | N
         clock.unwatch(sock)
         sock.close()
         if isinstance(e, (ValueError, msgspec.MsgspecError)):
-            raise _Rejected(f"sent a malformed header ({e})") from None
+            raise Rejected(f"sent a malformed header ({e})") from None
         if isinstance(e, OSError):  # includes timeouts, and a stream the race's end shut down
             clock.check()
             if race.over:
                 raise _Lost from None
-            raise _Transient(f"did not answer ({type(e).__name__}: {e})") from None
+            raise Transient(f"did not answer ({type(e).__name__}: {e})") from None
         raise
 
 
 async def _attempt(node: hivemind.DHTNode, control_path: str, src: Source, sha: str, offset: int, size: int | None,
-                   max_size: int, clock: _Clock, stall_s: float, race: _Race) -> _Answer:
+                   max_size: int, clock: Clock, stall_s: float, race: _Race) -> _Answer:
     """Dial one provider at the addresses it announced, then `_answer`: both within ANSWER_S (or the stall time)."""
     started = time.monotonic()
     answer_s = min(ANSWER_S, stall_s)
@@ -171,12 +171,12 @@ async def _attempt(node: hivemind.DHTNode, control_path: str, src: Source, sha: 
     clock.check()
     left = answer_s - (time.monotonic() - started)
     if left <= 0:
-        raise _Transient(f"could not be reached within {answer_s:g} s")
-    return await _in_thread(_answer, control_path, src, sha, offset, size, max_size, clock, stall_s, left, race)
+        raise Transient(f"could not be reached within {answer_s:g} s")
+    return await in_thread(_answer, control_path, src, sha, offset, size, max_size, clock, stall_s, left, race)
 
 
 async def _first_answer(node: hivemind.DHTNode, control_path: str, order: list[Source], sha: str, offset: int,
-                        size: int | None, max_size: int, clock: _Clock, stall_s: float, tried: list[str],
+                        size: int | None, max_size: int, clock: Clock, stall_s: float, tried: list[str],
                         failed: list[tuple[Source, BaseException]]
                         ) -> tuple[Source, socket.socket, float, BlobHeader] | None:
     """Ask the providers of `order` for the blob, each STAGGER_S after the one before it (at once when one fails),
@@ -184,12 +184,12 @@ async def _first_answer(node: hivemind.DHTNode, control_path: str, order: list[S
     that provider, its stream, when it opened and the header; None if none did. So a provider that answers is
     never kept waiting behind addresses that swallow dials or peers that never answer (each costs at most
     ANSWER_S, side by side), and the first in line, when it answers at once, is the only one asked. Each that
-    fails is added to `failed` with its error, each asked to `tried`; `_Stopped` when the fetch is out of time."""
+    fails is added to `failed` with its error, each asked to `tried`; `Stopped` when the fetch is out of time."""
     race = _Race(clock)
     asked: dict[asyncio.Future, Source] = {}
     waiting = list(order)
     next_at = time.monotonic()
-    stopped: _Stopped | None = None
+    stopped: Stopped | None = None
     try:
         while waiting or asked:
             clock.check()
@@ -213,7 +213,7 @@ async def _first_answer(node: hivemind.DHTNode, control_path: str, order: list[S
                 error = future.exception()
                 if error is None:
                     won = won or (src, *future.result())  # a later one's stream is closed by the race's end
-                elif isinstance(error, _Stopped):
+                elif isinstance(error, Stopped):
                     stopped = error
                 else:
                     failed.append((src, error))
@@ -231,7 +231,7 @@ async def _first_answer(node: hivemind.DHTNode, control_path: str, order: list[S
                 future.exception()  # finished meanwhile: its error is retrieved, not logged as lost
 
 
-async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
+async def in_thread(fn: Callable[..., Any], *args: Any) -> Any:
     """Run a blocking call in a daemon thread of its own: it ends with the call, and a DHT process that
     shuts down never waits for it."""
     loop = asyncio.get_running_loop()
@@ -254,7 +254,7 @@ async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def _running(dht: hivemind.DHT) -> dict[str, Any]:
-    """(In the DHT process) token -> the _Clock of a fetch in flight, or (why, when) for one cancelled early."""
+    """(In the DHT process) token -> the Clock of a fetch in flight, or (why, when) for one cancelled early."""
     return dht.__dict__.setdefault("_skillswarm_fetches", {})
 
 
@@ -267,7 +267,7 @@ async def cancel_fetches(dht: hivemind.DHT, _node: hivemind.DHTNode, tokens: lis
             del running[token]
     for token in tokens:
         entry = running.get(token)
-        if isinstance(entry, _Clock):
+        if isinstance(entry, Clock):
             entry.cancel(why)
             stopped += 1
         else:
@@ -289,14 +289,14 @@ async def fetch_blob(
         raise BlobError(f"blob {sha[:12]} is {size} bytes, over the {max_size}-byte limit")
     if deadline_s is None:
         deadline_s = deadline_for(size if size is not None else max_size, min_rate, grace_s)
-    clock = _Clock(deadline_s, min_rate, grace_s)
+    clock = Clock(deadline_s, min_rate, grace_s)
     with tracked(dht, token, clock, sha):
         return await _fetch(node, observed(dht), sha, sources, store, final, size, max_size, stall_s, max_attempts,
                             clock)
 
 
 @contextlib.contextmanager
-def tracked(dht: hivemind.DHT, token: str | None, clock: _Clock, sha: str) -> Iterator[None]:
+def tracked(dht: hivemind.DHT, token: str | None, clock: Clock, sha: str) -> Iterator[None]:
     """(In the DHT process) let `cancel_fetches` reach this fetch by its `token` while the block runs; a fetch
     cancelled before it started raises `BlobError` at once."""
     running = _running(dht)
@@ -314,9 +314,9 @@ def tracked(dht: hivemind.DHT, token: str | None, clock: _Clock, sha: str) -> It
 
 async def _fetch(node: hivemind.DHTNode, seen: Observed, sha: str, sources: list[Source], store: BlobStore,
                  final: Path, size: int | None, max_size: int, stall_s: float, max_attempts: int | None,
-                 clock: _Clock) -> FetchReport:
+                 clock: Clock) -> FetchReport:
     lock_wait = min(max(60.0, stall_s * 4), max(0.0, clock.left()))  # for another fetch of the same blob
-    part = await _in_thread(PartialDownload.open, store.partial_path(sha), final, lock_wait)
+    part = await in_thread(PartialDownload.open, store.partial_path(sha), final, lock_wait)
     if part is None:
         return FetchReport(path=str(final), sha=sha, size=final.stat().st_size, already_present=True)
     report = FetchReport(path=str(final), sha=sha, size=size if size is not None else -1, resumed_from=part.offset)
@@ -330,7 +330,7 @@ async def _fetch(node: hivemind.DHTNode, seen: Observed, sha: str, sources: list
     suspects: list[tuple[str, int, int, str]] = []  # (peer, start, end, sha256) of attempts that failed verification
     first = len(report.segments)  # this attempt's segments start here
     attempts, budget, mismatches, ok, rounds = 0, max_attempts or 3 * len(usable) + 2, 0, False, 0
-    room = _Room(store, sha)
+    room = Room(store, sha)
 
     def drop(src: Source, why: str) -> None:
         report.rejected[src.peer_id] = why
@@ -345,15 +345,15 @@ async def _fetch(node: hivemind.DHTNode, seen: Observed, sha: str, sources: list
     def unanswered(src: Source, e: BaseException) -> None:
         """A provider asked in a race did not answer with a header that suits the download."""
         logger.debug("blob %s from %s: %s", sha[:12], src.peer_id[:16], e)
-        if isinstance(e, _Rejected):
+        if isinstance(e, Rejected):
             seen.failed(src.peer_id)
             drop(src, str(e))
-        elif isinstance(e, _Slow):
+        elif isinstance(e, Slow):
             seen.failed(src.peer_id)
             slow[src.peer_id] = slow.get(src.peer_id, 0) + 1
             drop(src, f"dropped twice as too slow ({e})") if slow[src.peer_id] >= 2 else to_back(src)
-        elif isinstance(e, _Transient):
-            if not isinstance(e, (_Busy, _Missing)):  # busy, or still downloading it: no blame
+        elif isinstance(e, Transient):
+            if not isinstance(e, (Busy, Missing)):  # busy, or still downloading it: no blame
                 seen.failed(src.peer_id)
             failures[src.peer_id] = failures.get(src.peer_id, 0) + 1
             drop(src, str(e)) if failures[src.peer_id] >= 3 else to_back(src)
@@ -365,14 +365,14 @@ async def _fetch(node: hivemind.DHTNode, seen: Observed, sha: str, sources: list
             room.admit(size)
         while usable and attempts < budget:
             if clock.cancelled or clock.left() <= 0:
-                raise _out_of_time(sha, clock, report, tried, part.offset)
+                raise out_of_time(sha, clock, report, tried, part.offset)
             # In this node's order (`Observed`, or the caller's); the first to answer sends the bytes.
             failed: list[tuple[Source, BaseException]] = []
             try:
                 won = await _first_answer(node, control_path, usable[:budget - attempts], sha, part.offset, size,
                                           max_size, clock, stall_s, tried, failed)
-            except _Stopped:
-                raise _out_of_time(sha, clock, report, tried, part.offset) from None
+            except Stopped:
+                raise out_of_time(sha, clock, report, tried, part.offset) from None
             finally:
                 attempts += len(failed)
                 for src, e in failed:
@@ -385,10 +385,10 @@ async def _fetch(node: hivemind.DHTNode, seen: Observed, sha: str, sources: list
             attempts += 1
             before = part.offset
             try:
-                total = await _in_thread(_receive, sock, opened, header, src, part, stall_s, report, clock, room.admit)
-            except _Stopped:
-                raise _out_of_time(sha, clock, report, tried, part.offset) from None
-            except _Slow as e:
+                total = await in_thread(receive, sock, opened, header, src, part, stall_s, report, clock, room.admit)
+            except Stopped:
+                raise out_of_time(sha, clock, report, tried, part.offset) from None
+            except Slow as e:
                 logger.debug("blob %s from %s: too slow: %s", sha[:12], src.peer_id[:16], e)
                 seen.failed(src.peer_id)
                 to_back(src)
@@ -398,7 +398,7 @@ async def _fetch(node: hivemind.DHTNode, seen: Observed, sha: str, sources: list
                 if slow[src.peer_id] >= 2:
                     drop(src, f"dropped twice as too slow ({e})")
                 continue
-            except _Transient as e:
+            except Transient as e:
                 logger.debug("blob %s from %s: %s", sha[:12], src.peer_id[:16], e)
                 to_back(src)
                 if part.offset > before:  # it delivered something: resume at once, from the next provider
@@ -415,7 +415,7 @@ async def _fetch(node: hivemind.DHTNode, seen: Observed, sha: str, sources: list
             contributors.add(src.peer_id)
             report.size = total
             if part.hasher.hexdigest() == sha:
-                await _in_thread(part.publish, final)
+                await in_thread(part.publish, final)
                 ok = True
                 await _blame_by_ranges(report, suspects, final)
                 for peer in {peer for peer, _, _, _ in suspects if peer in report.rejected}:
@@ -432,7 +432,7 @@ async def _fetch(node: hivemind.DHTNode, seen: Observed, sha: str, sources: list
                 usable = [s for s in usable if s.peer_id not in blamed]
             else:  # keep what each one sent: once a download verifies, the ranges that differ name the liar
                 ranges = [seg for seg in report.segments[first:] if seg[2] > seg[1]]
-                digests = await _in_thread(range_digests, part.path, [(a, b) for _, a, b in ranges])
+                digests = await in_thread(range_digests, part.path, [(a, b) for _, a, b in ranges])
                 suspects += [(peer, a, b, d) for (peer, a, b), d in zip(ranges, digests)]
             part.reset()
             contributors.clear()
@@ -441,7 +441,7 @@ async def _fetch(node: hivemind.DHTNode, seen: Observed, sha: str, sources: list
         if not usable and not report.rejected:
             reasons = "no provider is known" if not sources else "no provider besides this node"
         if slow:
-            raise _out_of_time(sha, clock, report, tried, part.offset, why=f"no provider delivered it ({reasons})")
+            raise out_of_time(sha, clock, report, tried, part.offset, why=f"no provider delivered it ({reasons})")
         raise BlobError(f"could not fetch blob {sha[:12]} ({reasons or 'every provider failed; try again later'})")
     finally:
         room.release()
@@ -453,13 +453,13 @@ async def _blame_by_ranges(report: FetchReport, suspects: list[tuple[str, int, i
     verified blob's at the same range (a liar that sent bad bytes and then dropped, leaving the rest to others)."""
     if not suspects:
         return
-    digests = await _in_thread(range_digests, final, [(a, b) for _, a, b, _ in suspects])
+    digests = await in_thread(range_digests, final, [(a, b) for _, a, b, _ in suspects])
     for (peer, a, b, sent), good in zip(suspects, digests):
         if sent != good:
             report.rejected[peer] = f"sent bytes that do not match the sha256 (bytes {a}-{b} differ from the verified blob)"
 
 
-def _out_of_time(sha: str, clock: _Clock, report: FetchReport, tried: list[str], held: int,
+def out_of_time(sha: str, clock: Clock, report: FetchReport, tried: list[str], held: int,
                  why: str | None = None) -> BlobError:
     """The error of a fetch that ran out of time, was stopped, or found only slow providers: what arrived,
     in how long, from whom, against the minimum rate, and what happens to the bytes."""

@@ -1,7 +1,7 @@
 """The receiving end of one blob stream (what `fetcher`, `swarm` and `assembly` share): the errors a provider's
-stream ends with, the clock that holds a fetch to its deadline and minimum rate (`_Clock`), the reserved room in the
-store (`_Room`), the sink that appends while hashing (`_Sink`), and opening a request, reading its header and
-receiving its bytes (`open_request`, `read_header`, `_receive`)."""
+stream ends with, the clock that holds a fetch to its deadline and minimum rate (`Clock`), the reserved room in the
+store (`Room`), the sink that appends while hashing (`Sink`), and opening a request, reading its header and
+receiving its bytes (`open_request`, `read_header`, `receive`)."""
 
 from __future__ import annotations
 
@@ -23,31 +23,31 @@ from skillswarm.protocol.transport.wire import CHUNK, HANDLER, BlobHeader, Fetch
 logger = logging.getLogger(__name__)
 
 
-class _Transient(Exception):
+class Transient(Exception):
     """This attempt failed (stream broke, provider busy or unreachable); the provider may be tried again."""
 
 
-class _Slow(_Transient):
+class Slow(Transient):
     """This stream averaged under the minimum rate after the grace period; its bytes are kept."""
 
 
-class _Rejected(Exception):
+class Rejected(Exception):
     """This provider must not be asked again during this fetch (unknown blob, wrong size, lying)."""
 
 
-class _Stopped(Exception):
+class Stopped(Exception):
     """The fetch is out of time: its deadline passed, or it was cancelled."""
 
 
-class _Missing(_Transient):
+class Missing(Transient):
     """A provider still downloading the blob does not hold the pieces asked for yet."""
 
 
-class _Busy(_Transient):
+class Busy(Transient):
     """A provider serves as many uploads as it allows: ask again later (until the deadline), no blame."""
 
 
-class _Clock:
+class Clock:
     """The limits of one fetch, shared by its coroutine and the thread moving its bytes: the deadline, the
     rate a stream must average after the grace period, and a cancel switch that also wakes a blocked read."""
 
@@ -63,9 +63,9 @@ class _Clock:
         return self.deadline - time.monotonic()
 
     def check(self) -> None:
-        """Raise `_Stopped` if the fetch was cancelled or its deadline passed."""
+        """Raise `Stopped` if the fetch was cancelled or its deadline passed."""
         if self.cancelled or self.left() <= 0:
-            raise _Stopped
+            raise Stopped
 
     def watch(self, sock: socket.socket) -> None:
         """`sock` is a stream to shut down on cancel, until `unwatch`."""
@@ -90,7 +90,7 @@ class _Clock:
                     sock.shutdown(socket.SHUT_RDWR)
 
 
-class _Room:
+class Room:
     """The room a fetch holds in its store, taken again if a provider announces another size."""
 
     def __init__(self, store: BlobStore, sha: str) -> None:
@@ -109,7 +109,7 @@ class _Room:
         self.size = None
 
 
-class _Sink:
+class Sink:
     """Hashes and appends received chunks on a second thread, so receiving the next chunk overlaps them."""
 
     DEPTH = 8
@@ -123,7 +123,7 @@ class _Sink:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="blob-sink", daemon=True)
 
-    def __enter__(self) -> _Sink:
+    def __enter__(self) -> Sink:
         self._thread.start()
         return self
 
@@ -154,20 +154,20 @@ class _Sink:
             raise self._error
 
 
-def _pace(sock: socket.socket, clock: _Clock, opened: float, streamed: int, stall_s: float) -> float:
+def pace(sock: socket.socket, clock: Clock, opened: float, streamed: int, stall_s: float) -> float:
     """Raise if the fetch is out of time or this stream, open since `opened`, averages under the minimum rate
     after the grace period; else time the next read out when either could first happen. Returns that wait."""
     clock.check()
     now = time.monotonic()
     slow_at = opened + max(clock.grace_s, streamed / clock.min_rate)
     if now >= slow_at:
-        raise _Slow(f"sent {streamed:,} bytes in {now - opened:.1f} s, under {clock.min_rate:,.0f} bytes/s")
+        raise Slow(f"sent {streamed:,} bytes in {now - opened:.1f} s, under {clock.min_rate:,.0f} bytes/s")
     wait_s = min(stall_s, clock.deadline - now, slow_at - now)
     sock.settimeout(max(0.001, wait_s))
     return wait_s
 
 
-def open_request(control_path: str, src: Source, clock: _Clock, stall_s: float) -> tuple[socket.socket, float]:
+def open_request(control_path: str, src: Source, clock: Clock, stall_s: float) -> tuple[socket.socket, float]:
     """A stream to `src` for one request, watched by `clock` (the caller unwatches and closes it), and when it
     was opened; a stream that cannot open is a transient failure."""
     clock.check()
@@ -176,13 +176,13 @@ def open_request(control_path: str, src: Source, clock: _Clock, stall_s: float) 
         sock = open_stream(control_path, src.peer_id, HANDLER, max(0.01, min(stall_s, clock.left())))
     except OSError as e:
         clock.check()
-        raise _Transient(f"cannot open a stream ({e})") from None
+        raise Transient(f"cannot open a stream ({e})") from None
     clock.watch(sock)
     sock.settimeout(stall_s)
     return sock, opened
 
 
-def read_header(sock: socket.socket, clock: _Clock, opened: float, within: float | None = None) -> BlobHeader:
+def read_header(sock: socket.socket, clock: Clock, opened: float, within: float | None = None) -> BlobHeader:
     """Read a provider's header, which must come within the grace period (or `within` s of `opened`, if that
     is shorter); refuse an error header."""
     allowed = clock.grace_s if within is None else min(clock.grace_s, within)
@@ -193,28 +193,28 @@ def read_header(sock: socket.socket, clock: _Clock, opened: float, within: float
     except TimeoutError:
         clock.check()
         if time.monotonic() >= opened + allowed:
-            raise _Slow(f"sent no header within {allowed:.3g} s") from None
+            raise Slow(f"sent no header within {allowed:.3g} s") from None
         raise
     if header.error == "busy":
-        raise _Busy("busy")
+        raise Busy("busy")
     if header.error == "missing":
-        raise _Missing("it does not hold those pieces yet")
+        raise Missing("it does not hold those pieces yet")
     if header.error:
-        raise _Rejected(header.error)
+        raise Rejected(header.error)
     return header
 
 
-def _check_header(header: BlobHeader, src: Source, size: int | None, max_size: int) -> None:
+def check_header(header: BlobHeader, src: Source, size: int | None, max_size: int) -> None:
     """Refuse a provider whose header announces another size than the caller's or its record's, or too many bytes."""
     expected = size if size is not None else src.size
     if expected is not None and header.size != expected:
-        raise _Rejected(f"serves {header.size} bytes where {expected} were announced")
+        raise Rejected(f"serves {header.size} bytes where {expected} were announced")
     if header.size > max_size:
-        raise _Rejected(f"serves {header.size} bytes, over the {max_size}-byte limit")
+        raise Rejected(f"serves {header.size} bytes, over the {max_size}-byte limit")
 
 
-def _receive(sock: socket.socket, opened: float, header: BlobHeader, src: Source, part: PartialDownload,
-             stall_s: float, report: FetchReport, clock: _Clock, admit: Callable[[int], None]) -> int:
+def receive(sock: socket.socket, opened: float, header: BlobHeader, src: Source, part: PartialDownload,
+             stall_s: float, report: FetchReport, clock: Clock, admit: Callable[[int], None]) -> int:
     """(Worker thread) the bytes a provider sends after its header (`_answer` opened the stream at `opened` and
     read it), appended to `part` until the blob is complete, the stream breaks or turns slow, or the fetch is
     out of time; returns the blob size. The stream is closed at the end."""
@@ -222,36 +222,36 @@ def _receive(sock: socket.socket, opened: float, header: BlobHeader, src: Source
     try:
         if part.offset > header.size:
             part.reset()
-            raise _Transient("the partial download was longer than the blob; restarting it")
+            raise Transient("the partial download was longer than the blob; restarting it")
         admit(header.size)  # BlobError if it does not fit in the store: nothing is written
         report.size = header.size
-        with _Sink(part) as sink:
+        with Sink(part) as sink:
             received = part.offset
             while received < header.size:
                 buf = sink.buffer()
                 want, got = min(CHUNK, header.size - received), 0
                 try:
                     while got < want:
-                        wait_s = _pace(sock, clock, opened, received + got - start, stall_s)
+                        wait_s = pace(sock, clock, opened, received + got - start, stall_s)
                         try:
                             k = sock.recv_into(memoryview(buf)[got:want])
                         except TimeoutError:
                             if wait_s < stall_s:
-                                continue  # the deadline or the rate check is due: the next _pace decides
-                            raise _Transient(f"sent nothing for {stall_s:g} s") from None
+                                continue  # the deadline or the rate check is due: the next pace decides
+                            raise Transient(f"sent nothing for {stall_s:g} s") from None
                         if not k:
                             clock.check()  # a cancel shuts the stream down
-                            raise _Transient(f"stream ended at byte {received + got} of {header.size}")
+                            raise Transient(f"stream ended at byte {received + got} of {header.size}")
                         got += k
                 finally:
                     sink.put(buf, got)  # what arrived before a break is kept: the next stream resumes after it
                 received += got
         return header.size
     except (ValueError, msgspec.MsgspecError) as e:
-        raise _Rejected(f"sent a malformed header ({e})") from None
+        raise Rejected(f"sent a malformed header ({e})") from None
     except OSError as e:  # includes timeouts: a stalled provider
         clock.check()
-        raise _Transient(f"stream broke at byte {part.offset} ({type(e).__name__}: {e})") from None
+        raise Transient(f"stream broke at byte {part.offset} ({type(e).__name__}: {e})") from None
     finally:
         clock.unwatch(sock)
         sock.close()

@@ -35,9 +35,9 @@ from skillswarm.protocol.atomic import atomic_write_bytes
 from skillswarm.protocol.errors import BlobError
 from skillswarm.protocol.transport.assembly import Assembly, Checker, PieceFile, partials, publish
 from skillswarm.protocol.transport.blobs import BlobStore, check_sha256
-from skillswarm.protocol.transport.fetcher import _in_thread, _out_of_time, tracked
+from skillswarm.protocol.transport.fetcher import in_thread, out_of_time, tracked
 from skillswarm.protocol.transport.receiving import (
-    _Busy, _Clock, _Missing, _pace, _Rejected, _Room, _Slow, _Stopped, _Transient, open_request, read_header,
+    Busy, Clock, Missing, pace, Rejected, Room, Slow, Stopped, Transient, open_request, read_header,
 )
 from skillswarm.protocol.transport.pieces import (
     DIGEST, check_piece_list, held_pieces, piece_count, piece_span, unpack_bits,
@@ -65,7 +65,7 @@ def _stream(control_path: str, src: Source, swarm: Assembly, run: list[int], sta
         sock.sendall(frame(BlobRequest(sha=swarm.sha, offset=start, end=end)))
         header = read_header(sock, clock, opened)
         if header.size != size:
-            raise _Rejected(f"serves {header.size} bytes where {size} were announced")
+            raise Rejected(f"serves {header.size} bytes where {size} were announced")
         with Checker(swarm, src.peer_id) as checker:
             for i in run:
                 if swarm.is_done(i):
@@ -74,16 +74,16 @@ def _stream(control_path: str, src: Source, swarm: Assembly, run: list[int], sta
                 buf, got = checker.buffer(), 0
                 try:
                     while got < b - a:
-                        wait_s = _pace(sock, clock, opened, streamed + got, stall_s)
+                        wait_s = pace(sock, clock, opened, streamed + got, stall_s)
                         try:
                             k = sock.recv_into(memoryview(buf)[got:b - a])
                         except TimeoutError:
                             if wait_s < stall_s:
                                 continue
-                            raise _Transient(f"sent nothing for {stall_s:g} s") from None
+                            raise Transient(f"sent nothing for {stall_s:g} s") from None
                         if not k:
                             clock.check()
-                            raise _Transient(f"stream ended at byte {a + got:,} of {size:,}")
+                            raise Transient(f"stream ended at byte {a + got:,} of {size:,}")
                         got += k
                 except BaseException:
                     checker.give_back(buf, got)
@@ -91,10 +91,10 @@ def _stream(control_path: str, src: Source, swarm: Assembly, run: list[int], sta
                 streamed += got
                 checker.put(i, buf, got)
     except (ValueError, msgspec.MsgspecError) as e:
-        raise _Rejected(f"sent a malformed header ({e})") from None
+        raise Rejected(f"sent a malformed header ({e})") from None
     except OSError as e:
         clock.check()
-        raise _Transient(f"stream broke ({type(e).__name__}: {e})") from None
+        raise Transient(f"stream broke ({type(e).__name__}: {e})") from None
     finally:
         clock.unwatch(sock)
         sock.close()
@@ -119,21 +119,21 @@ def _provider(control_path: str, src: Source, swarm: Assembly, workers: int, sta
         try:
             _stream(control_path, src, swarm, run, stall_s)
             failures = 0
-        except _Stopped:
+        except Stopped:
             return
-        except _Rejected as e:
+        except Rejected as e:
             swarm.reject(peer, str(e))
-        except _Missing:
+        except Missing:
             asked = time.monotonic()
             if not _ask_offer(control_path, src, swarm, stall_s):
                 return
-        except _Busy:
+        except Busy:
             swarm.wait(random.uniform(0.5, 1.5))  # others may take its share meanwhile
-        except _Slow as e:
+        except Slow as e:
             swarm.slow[peer] = swarm.slow.get(peer, 0) + 1
             if swarm.slow[peer] >= 2:
                 swarm.reject(peer, f"dropped twice as too slow ({e})")
-        except _Transient as e:
+        except Transient as e:
             logger.debug("blob %s from %s: %s", swarm.sha[:12], peer[:16], e)
             failures = 0 if swarm.delivered.get(peer, 0) > before else failures + 1
             if failures >= _FAILURES:
@@ -156,22 +156,22 @@ def _ask_offer(control_path: str, src: Source, swarm: Assembly, stall_s: float) 
             sock.sendall(frame(BlobRequest(sha=swarm.sha, kind="have")))
             header = read_header(sock, clock, opened)
             if header.size != swarm.size:
-                raise _Rejected(f"serves {header.size} bytes where {swarm.size} were announced")
+                raise Rejected(f"serves {header.size} bytes where {swarm.size} were announced")
             bits = recv_exact(sock, -(-swarm.n // 8), min(opened + clock.grace_s, clock.deadline))
         finally:
             clock.unwatch(sock)
             sock.close()
         swarm.offer(src.peer_id, unpack_bits(bits, swarm.n))
         swarm.unanswered.pop(src.peer_id, None)
-    except _Stopped:
+    except Stopped:
         return False
-    except _Rejected as e:
+    except Rejected as e:
         swarm.reject(src.peer_id, str(e))
     except (ValueError, msgspec.MsgspecError) as e:
         swarm.reject(src.peer_id, f"sent a malformed header ({e})")
-    except _Busy:
+    except Busy:
         pass
-    except (_Transient, OSError) as e:
+    except (Transient, OSError) as e:
         if clock.cancelled or clock.left() <= 0:
             return False
         swarm.unanswered[src.peer_id] = swarm.unanswered.get(src.peer_id, 0) + 1
@@ -181,7 +181,7 @@ def _ask_offer(control_path: str, src: Source, swarm: Assembly, stall_s: float) 
 
 
 def _piece_list(control_path: str, sha: str, tree: str, size: int | None, max_size: int, sources: list[Source],
-                report: FetchReport, clock: _Clock, stall_s: float) -> tuple[bytes, int]:
+                report: FetchReport, clock: Clock, stall_s: float) -> tuple[bytes, int]:
     """(Worker thread) the blob's piece list and size from the first provider whose list matches `tree`;
     providers that send another list, size or an error are rejected; busy ones are asked again until the
     deadline, the others three times."""
@@ -193,30 +193,30 @@ def _piece_list(control_path: str, sha: str, tree: str, size: int | None, max_si
                 continue
             try:
                 sock, opened = open_request(control_path, src, clock, stall_s)
-            except _Transient:
+            except Transient:
                 continue
             try:
                 sock.sendall(frame(BlobRequest(sha=sha, kind="pieces")))
                 header = read_header(sock, clock, opened)
                 expected = size if size is not None else src.size
                 if expected is not None and header.size != expected:
-                    raise _Rejected(f"serves {header.size} bytes where {expected} were announced")
+                    raise Rejected(f"serves {header.size} bytes where {expected} were announced")
                 if header.size > max_size:
-                    raise _Rejected(f"serves {header.size} bytes, over the {max_size}-byte limit")
+                    raise Rejected(f"serves {header.size} bytes, over the {max_size}-byte limit")
                 by = time.monotonic() + clock.grace_s + piece_count(header.size) * DIGEST / clock.min_rate
                 piece_list = recv_exact(sock, piece_count(header.size) * DIGEST, min(by, clock.deadline))
                 if why := check_piece_list(piece_list, header.size, tree):
-                    raise _Rejected(why)
+                    raise Rejected(why)
                 return piece_list, header.size
-            except _Rejected as e:
+            except Rejected as e:
                 # A peer that announced the blob as its own download started may not hold it yet: ask again.
                 if str(e) != "unknown blob" or attempt == _FAILURES - 1:
                     report.rejected[src.peer_id] = str(e)
             except (ValueError, msgspec.MsgspecError) as e:
                 report.rejected[src.peer_id] = f"sent a malformed header ({e})"
-            except _Busy:
+            except Busy:
                 busy = True
-            except (_Transient, OSError):
+            except (Transient, OSError):
                 clock.check()
             finally:
                 clock.unwatch(sock)
@@ -243,23 +243,23 @@ async def fetch_pieces(
         raise BlobError(f"blob {sha[:12]} is {size} bytes, over the {max_size}-byte limit")
     if deadline_s is None:
         deadline_s = deadline_for(size if size is not None else max_size, min_rate, grace_s)
-    clock = _Clock(deadline_s, min_rate, grace_s)
+    clock = Clock(deadline_s, min_rate, grace_s)
     with tracked(dht, token, clock, sha):
         return await _fetch(dht, node, sha, tree, sources, store, final, size, max_size, stall_s, clock)
 
 
 async def _fetch(dht: hivemind.DHT, node: hivemind.DHTNode, sha: str, tree: str, sources: list[Source],
                  store: BlobStore, final: Path, size: int | None, max_size: int, stall_s: float,
-                 clock: _Clock) -> FetchReport:
+                 clock: Clock) -> FetchReport:
     lock_wait = min(max(60.0, stall_s * 4), max(0.0, clock.left()))
-    part = await _in_thread(PieceFile.open, store.partial_path(sha), final, lock_wait)
+    part = await in_thread(PieceFile.open, store.partial_path(sha), final, lock_wait)
     if part is None:
         return FetchReport(path=str(final), sha=sha, size=final.stat().st_size, already_present=True)
     report = FetchReport(path=str(final), sha=sha, size=size if size is not None else -1, pieces=True)
     control_path = node.p2p.daemon_listen_maddr["unix"]
     me = node.peer_id.to_base58()
     usable = [s for s in sources if s.peer_id != me]
-    room, ok, held, evaluated = _Room(store, sha), False, 0, False
+    room, ok, held, evaluated = Room(store, sha), False, 0, False
     serving = partials(dht)
     try:
         if not usable:
@@ -272,27 +272,27 @@ async def _fetch(dht: hivemind.DHT, node: hivemind.DHTNode, sha: str, tree: str,
         if size is not None and saved is not None and not check_piece_list(saved, size, tree):
             piece_list = saved
         else:
-            piece_list, size = await _in_thread(_piece_list, control_path, sha, tree, size, max_size, usable, report,
+            piece_list, size = await in_thread(_piece_list, control_path, sha, tree, size, max_size, usable, report,
                                                 clock, stall_s)
             room.admit(size)
-            await _in_thread(atomic_write_bytes, part.listed, piece_list)  # before the first piece is written
+            await in_thread(atomic_write_bytes, part.listed, piece_list)  # before the first piece is written
         report.size = size
-        have = await _in_thread(held_pieces, part.fd, size, piece_list)
+        have = await in_thread(held_pieces, part.fd, size, piece_list)
         evaluated = True
         report.resumed_from = held = _bytes_of(have, size)
         swarm = Assembly(sha, size, piece_list, have, part, report, clock)
         usable = [s for s in usable if s.peer_id not in report.rejected]
         serving[(str(store.root), sha)] = swarm  # this node's provider serves the pieces held so far
-        await _in_thread(_run, control_path, swarm, usable, stall_s)
+        await in_thread(_run, control_path, swarm, usable, stall_s)
         held = _bytes_of(swarm.done, size)
         if swarm.fatal is not None:
             raise swarm.fatal if isinstance(swarm.fatal, BlobError) else BlobError(f"blob {sha[:12]}: {swarm.fatal}")
         if swarm.missing:
             if clock.cancelled or clock.left() <= 0:
-                raise _out_of_time(sha, clock, report, swarm.tried, held)
+                raise out_of_time(sha, clock, report, swarm.tried, held)
             reasons = "; ".join(f"{peer[:20]}...: {why}" for peer, why in report.rejected.items())
             if swarm.slow:
-                raise _out_of_time(sha, clock, report, swarm.tried, held, why=f"no provider delivered it ({reasons})")
+                raise out_of_time(sha, clock, report, swarm.tried, held, why=f"no provider delivered it ({reasons})")
             raise BlobError(f"could not fetch blob {sha[:12]}: {swarm.missing} of {swarm.n} pieces are missing "
                             f"({reasons or 'every provider failed; try again later'}); the {held:,} bytes held are "
                             "kept for a later fetch")
@@ -302,11 +302,11 @@ async def _fetch(dht: hivemind.DHT, node: hivemind.DHTNode, sha: str, tree: str,
             raise BlobError(f"blob {sha[:12]}: every piece matches the tree hash it was published with, but the "
                             "whole blob does not match its sha256: the record that named both is inconsistent "
                             "(its author made a mistake or lied); nothing is kept")
-        await _in_thread(publish, part, final, store, sha, size, piece_list)
+        await in_thread(publish, part, final, store, sha, size, piece_list)
         ok = True
         return report
-    except _Stopped:
-        raise _out_of_time(sha, clock, report, [s.peer_id for s in usable], held) from None
+    except Stopped:
+        raise out_of_time(sha, clock, report, [s.peer_id for s in usable], held) from None
     finally:
         serving.pop((str(store.root), sha), None)
         room.release()

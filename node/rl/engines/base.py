@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     import torch
 
 ENGINES: tuple[str, ...] = ("hf", "vllm")
+DEFAULT_ENGINE = ENGINES[0]  # the one every setting defaults to: runs on CPU or GPU with no extra
 FinishReason = Literal["stop", "length"]
 
 

@@ -20,11 +20,10 @@ from typing import Callable
 import msgspec
 import torch
 
-from skillswarm.node.endpoint.records import GroupRecord, decode_group
-from skillswarm.node.endpoint.store import GROUPS_FILE
 from skillswarm.node.rl.config import Variant
 from skillswarm.node.rl.groups import Batch, Group, Sample, SourceDrained
 from skillswarm.node.rl.grpo import group_advantages, has_signal
+from skillswarm.node.rl.records import GROUPS_FILE, GroupRecord, decode_group
 from skillswarm.protocol.errors import TrainError
 
 log = logging.getLogger(__name__)

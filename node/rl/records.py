@@ -1,10 +1,12 @@
-"""What the endpoint records: trajectories at token level (exact ids, loss masks, sampling logprobs and
-the policy version of every call), their rewards, and the groups the trainer reads.
+"""Recorded trajectories, the format the recording endpoint writes and the trainer reads: trajectories at
+token level (exact ids, loss masks, sampling logprobs and the policy version of every call), their rewards,
+and their groups; and a trajectory store's files.
 
 A trajectory is one agent run. Its calls extend one token sequence (a segment) as long as each request
 continues the conversation the previous one ended with; a request that rewrites history starts a new
 segment, so no token is ever trained on that the model did not see. A group is the set of trajectories
-that answer one prompt (GRPO compares them); the store appends closed groups to `groups.jsonl`.
+that answer one prompt (GRPO compares them); a store appends closed groups to `groups.jsonl`, expired
+trajectories to `expired.jsonl`, and names the weights its logprobs belong to in `store.json`.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from pathlib import Path
 from typing import Literal
 
 import msgspec
 
+GROUPS_FILE, EXPIRED_FILE, MANIFEST = "groups.jsonl", "expired.jsonl", "store.json"
 Status = Literal["open", "scored", "expired"]
 # Bounds on what a client may say about a reward: a number a GRPO advantage can be computed from.
 MAX_ABS_REWARD = 1e6
@@ -126,3 +130,11 @@ def decode_group(line: bytes) -> GroupRecord:
 
 def decode_trajectory(line: bytes) -> Trajectory:
     return _trajectory_decoder.decode(line)
+
+
+def store_model_hash(directory: Path) -> str | None:
+    """The weights hash a store was recorded with (None when it has no manifest)."""
+    try:
+        return msgspec.json.decode((Path(directory) / MANIFEST).read_bytes()).get("model_hash")
+    except (OSError, msgspec.DecodeError, AttributeError):
+        return None

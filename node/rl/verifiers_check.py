@@ -1,5 +1,5 @@
-"""What `--skill verifiers:ENV_ID` needs, checked without importing verifiers or the RL engine: light enough
-for the training settings' validation and the CLI."""
+"""What `--skill verifiers:ENV_ID` needs, checked without importing verifiers or torch: light enough for the
+training settings' validation and the CLI."""
 
 from __future__ import annotations
 
