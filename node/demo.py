@@ -209,7 +209,11 @@ def run_demo(cfg: DemoConfig, base: Path, on_status: Callable[[DemoStatus], None
     status = DemoStatus()
     notify = on_status or (lambda st: None)
     cfg.out.mkdir(parents=True, exist_ok=True)
-    check_out(cfg.out / "final")  # the final checkpoint's export refuses what it did not write: say so now, not at the end
+    try:  # the final checkpoint's export refuses what it did not write: say so now, not after the rounds
+        check_out(cfg.out / "final")
+    except SkillswarmError as e:
+        raise SkillswarmError(f"{e} (the demo writes its final checkpoint to {cfg.out / 'final'}: remove that "
+                              "directory, or give the demo another --out)") from None
     with swarm(cfg.out) as s:
         coord_key = s.home("coordinator") / "config" / "identity.key"
         spec = make_spec(cfg, base, Identity.load_or_create(coord_key))
