@@ -26,10 +26,11 @@ from skillswarm.merge.pipeline import CHUNK_ELEMS, is_float
 from skillswarm.merge.progress import progress_bar
 from skillswarm.merge.tensorfile import dtype_name, numel, row_chunks, shown
 from skillswarm.protocol.errors import MergeError
+from skillswarm.protocol.records import SHORT_TEXT_CHARS
 
 log = logging.getLogger(__name__)
 
-REASON_CHARS = 256
+REASON_CHARS = SHORT_TEXT_CHARS  # what a Rejection record holds of a reason
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class _Reject(Exception):
     pass
 
 
-def _short(text: str) -> str:
+def short_reason(text: str) -> str:
     """A reason as a Rejection record holds it: one line of at most REASON_CHARS characters that encodes as
     UTF-8 (a name from a hostile file may hold newlines or lone surrogates)."""
     return shown(text, REASON_CHARS)
@@ -82,7 +83,7 @@ def _short(text: str) -> str:
 def _unreadable(e: Exception, c: DeltaCandidate) -> str:
     """Why a delta's file could not be read, without this machine's path for it (the record names the blob)."""
     text = str(e).replace(str(c.path), "the file")
-    return _short(f"unreadable delta: {text}" if isinstance(e, MergeError) else
+    return short_reason(f"unreadable delta: {text}" if isinstance(e, MergeError) else
                   f"unreadable delta ({type(e).__name__}: {text})")
 
 
@@ -169,7 +170,7 @@ def screen_deltas(base_dir: Path | str, candidates: Sequence[DeltaCandidate | Pa
                         _check_layout(f, base)
                         passed.append((i, _norm_and_finite(f, chunk_elems), f.codec))
                 except _Reject as e:
-                    rejected[i] = Rejected(c, _short(str(e)))
+                    rejected[i] = Rejected(c, short_reason(str(e)))
                 except MergeError as e:
                     rejected[i] = Rejected(c, _unreadable(e, c))
                 except (ArithmeticError, LookupError, TypeError, ValueError, RuntimeError) as e:
@@ -185,7 +186,7 @@ def screen_deltas(base_dir: Path | str, candidates: Sequence[DeltaCandidate | Pa
     accepted: dict[int, Accepted] = {}
     for i, norm, codec in passed:
         if max_norm_ratio is not None and median and norm > max_norm_ratio * median:
-            rejected[i] = Rejected(cands[i], _short(f"norm {norm:.4g} is {norm / median:.1f}x the round's median "
+            rejected[i] = Rejected(cands[i], short_reason(f"norm {norm:.4g} is {norm / median:.1f}x the round's median "
                                                     f"{median:.4g} (limit {max_norm_ratio:g}x)"))
         else:
             accepted[i] = Accepted(cands[i], norm, codec)

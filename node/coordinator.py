@@ -35,11 +35,12 @@ from typing import Callable
 import msgspec
 
 from skillswarm.merge.deltas import dense_codec_for
+from skillswarm.merge.screening import short_reason
 from skillswarm.node import failpoints
 from skillswarm.node.pull import find_checkpoint, local_base, pull, share
 from skillswarm.node.rl.config import EVAL_N
 from skillswarm.node.rounds import Candidate, RoundContext, RoundStrategy, evaluate_all
-from skillswarm.node.rounds.context import REASON_CHARS, clean_figures, first_layers
+from skillswarm.node.rounds.context import clean_figures, first_layers
 from skillswarm.node.store import CheckpointStore, checkpoint_files, link_or_copy, with_trees
 from skillswarm.protocol.codec import encode_record
 from skillswarm.protocol.errors import RecordError, SkillswarmError, SpecError
@@ -146,7 +147,7 @@ def failed_round(deltas: list[DeltaManifest], error: BaseException, listed: set[
     """The rejections of deltas whose round attempt failed on an unforeseen error: not harmful (which delta caused
     it is unknown), so no key's reputation pays for it; deltas already `listed` are left out."""
     reason = f"the round failed while judging it: {type(error).__name__}: {error}"
-    return [Rejection(blob=d.blob, author=d.author, skill=d.skill, reason=reason[:REASON_CHARS], step="round",
+    return [Rejection(blob=d.blob, author=d.author, skill=d.skill, reason=short_reason(reason), step="round",
                       figures={"harmful": 0.0}) for d in deltas if d.blob not in listed]
 
 
@@ -419,10 +420,11 @@ class Coordinator:
                 self.blobs.remove(ref.blob)
 
     def _wait(self, note: str) -> None:
+        note = short_reason(note)  # it may quote a hostile input, and the heartbeat carries it: one line, capped
         if note != self.note:
             log.info("%s", note)
             self.on_event("waiting", {"note": note})
-        self.state, self.note = "waiting", note[:256]
+        self.state, self.note = "waiting", note
 
 
 def merge_inputs(spec: NetworkSpec, dht, store: CheckpointStore, blobs: BlobStore, manifest: CheckpointManifest,

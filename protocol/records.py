@@ -27,7 +27,8 @@ Seconds = Annotated[float, Meta(ge=0.0, le=1e9)]
 Timestamp = Annotated[float, Meta(ge=0.0, le=1e11)]
 Fraction = Annotated[float, Meta(ge=0.0, le=1.0)]
 Real = Annotated[float, Meta(ge=-1e12, le=1e12)]  # finite: NaN and inf fail both bounds
-ShortText = Annotated[str, Meta(max_length=256)]
+SHORT_TEXT_CHARS = 256  # a reason, a note: what a record shows on one line
+ShortText = Annotated[str, Meta(max_length=SHORT_TEXT_CHARS)]
 Text = Annotated[str, Meta(max_length=1024)]
 Params = Annotated[dict[Annotated[str, Meta(pattern=r"^[a-z][a-z0-9_]{0,31}$")], Real], Meta(max_length=32)]
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import msgspec
 import psutil
 from hivemind.dht.routing import DHTID
+from hivemind.p2p import PeerID
 from hivemind.dht.validation import DHTRecord
 
 from skillswarm.protocol.identity import Identity
@@ -76,3 +77,18 @@ def blob_swarm(net: str, root: Path, first: str, *others: str) -> Iterator[dict[
     finally:
         for p in peers.values():
             p.dht.shutdown()
+
+
+async def store_at(_dht: Any, node: Any, peer: str, items: list, chunk: int = 25) -> list[bool]:
+    """(In a DHT process) ask one peer to store pre-signed (key id, subkey bytes, value, expiration) values, as any
+    program speaking hivemind's protocol can, `chunk` per request; its answer per value."""
+    out: list[bool] = []
+    for i in range(0, len(items), chunk):
+        part = items[i:i + chunk]
+        ok = await node.protocol.call_store(
+            PeerID.from_base58(peer), keys=[DHTID.from_bytes(k) for k, _, _, _ in part],
+            values=[v for _, _, v, _ in part], expiration_time=[e for _, _, _, e in part],
+            subkeys=[msgspec.msgpack.decode(s) for _, s, _, _ in part])
+        assert ok is not None, "the peer did not answer"
+        out += list(ok)
+    return out

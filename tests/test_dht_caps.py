@@ -14,7 +14,6 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DHTLocalStorage
-from hivemind.p2p import PeerID
 
 from skillswarm.protocol import keys
 from skillswarm.protocol.transport import storage_caps
@@ -30,7 +29,7 @@ from skillswarm.protocol.transport.storage_caps import (
     MAX_BYTES_PER_AUTHOR, MAX_SUBKEYS_PER_KEY, MAX_VALUES_PER_AUTHOR, CappedStorage, install, newest_within_caps,
 )
 from skillswarm.protocol.transport.validation import StorePolicy
-from tests.net_helpers import signed_dht_record
+from tests.net_helpers import signed_dht_record, store_at
 
 NET = "capped"
 DELTA_CAP = MAX_VALUES_PER_AUTHOR["delta"]
@@ -191,18 +190,9 @@ async def _publish(_dht: Any, node: Any, make: Callable[[int], tuple], n: int) -
 
 async def _store_at(_dht: Any, node: Any, peer: str, items: list | None = None, make: Callable[[int], tuple] | None = None,
                     lo: int = 0, hi: int = 0, chunk: int = 20) -> list[bool]:
-    """Ask one peer to store pre-signed values (`items`, or `make(i)` for lo <= i < hi), as any program speaking
-    hivemind's protocol can; its answer per value."""
+    """Ask one peer to store pre-signed values (`items`, or `make(i)` for lo <= i < hi); its answer per value."""
     items = items if items is not None else [make(i) for i in range(lo, hi)]
-    out: list[bool] = []
-    for i in range(0, len(items), chunk):
-        part = items[i:i + chunk]
-        ok = await node.protocol.call_store(
-            PeerID.from_base58(peer), keys=[DHTID.from_bytes(k) for k, _, _, _ in part], values=[v for _, _, v, _ in part],
-            expiration_time=[e for _, _, _, e in part], subkeys=[msgspec.msgpack.decode(s) for _, s, _, _ in part])
-        assert ok is not None, "the peer did not answer"
-        out += list(ok)
-    return out
+    return await store_at(_dht, node, peer, items, chunk)
 
 
 async def _stored_subkeys(_dht: Any, node: Any, keys: list[str]) -> dict[str, list[str]]:

@@ -18,7 +18,6 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
-from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE
 from hivemind.utils.serializer import MSGPackSerializer
 
@@ -29,7 +28,7 @@ from skillswarm.protocol.records import MAX_BYTES, Hardware, NetworkSpec, PeerRe
 from skillswarm.protocol.transport.dht import SwarmDHT
 from skillswarm.protocol.transport import storage_caps
 from skillswarm.protocol.transport.validation import OwnerSignatureValidator, StorePolicy, _signed_message
-from tests.net_helpers import wait_for
+from tests.net_helpers import store_at, wait_for
 
 NET = "flooded"
 FLOOD = 1100
@@ -71,20 +70,6 @@ def flood() -> list[tuple[bytes, bytes, bytes, float]]:
     return items
 
 
-async def _store_at(_dht: Any, node: Any, peer: str, items: list, chunk: int = 25) -> list[bool]:
-    """Ask one peer to store pre-signed values; its answer per value."""
-    out: list[bool] = []
-    for i in range(0, len(items), chunk):
-        part = items[i:i + chunk]
-        ok = await node.protocol.call_store(
-            PeerID.from_base58(peer), keys=[DHTID.from_bytes(k) for k, _, _, _ in part],
-            values=[v for _, _, v, _ in part], expiration_time=[e for _, _, _, e in part],
-            subkeys=[msgspec.msgpack.decode(s) for _, s, _, _ in part])
-        assert ok is not None, "the peer did not answer"
-        out += list(ok)
-    return out
-
-
 async def _peers_key_read(_dht: Any, node: Any) -> tuple[int, int]:
     """(values, bytes) of what this peer sends for a read of the peers key: its storage's or its cache's
     dictionary, the one expiring later, as `rpc_find` serializes it."""
@@ -99,7 +84,7 @@ async def _peers_key_read(_dht: Any, node: Any) -> tuple[int, int]:
 def _send(attacker: SwarmDHT, to: SwarmDHT, items: list) -> list[bool]:
     out: list[bool] = []
     for i in range(0, len(items), 275):  # a few MB per call into the attacker's DHT process
-        out += attacker.run_coroutine(_store_at, peer=to.peer_id, items=items[i:i + 275], timeout=120)
+        out += attacker.run_coroutine(store_at, peer=to.peer_id, items=items[i:i + 275], timeout=120)
     return out
 
 

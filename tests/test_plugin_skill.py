@@ -1,4 +1,4 @@
-"""A third-party multi-turn skill from zero: the README's `count_vowels` plugin, pip-installed, warmed up into
+"""A third-party multi-turn skill from zero: the guide's `count_vowels` plugin, pip-installed, warmed up into
 a nano base through its reference player (`base build --skill`), trained with GRPO from the CLI; and the
 network file pinning its version, so that a node with another version (or none) refuses to start."""
 
@@ -54,7 +54,7 @@ def vowels_plugin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 def test_readme_shows_the_plugin_as_it_is() -> None:
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "writing-a-skill.md").read_text()
     code = (PLUGIN / "skillswarm_vowels_skill" / "__init__.py").read_text()
     assert f"```python\n{code}```" in readme  # the guide's example is the tested package, verbatim
     entry = re.search(r'\[project\.entry-points\."skillswarm\.skills"\]\n.*\n', (PLUGIN / "pyproject.toml").read_text())

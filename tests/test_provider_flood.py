@@ -15,10 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-import msgspec
 import pytest
-from hivemind.dht.routing import DHTID
-from hivemind.p2p import PeerID
 
 from skillswarm.protocol import keys
 from skillswarm.protocol.codec import encode_record
@@ -27,7 +24,7 @@ from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.records import PeerRecord, ProviderRecord, Record, RoundPolicy
 from skillswarm.protocol.transport.dht import SwarmDHT
 from skillswarm.protocol.transport.wire import HANDLER, BlobHeader, deadline_for, frame, frame_length
-from tests.net_helpers import BlobPeer, blob_swarm, signed_dht_record
+from tests.net_helpers import BlobPeer, blob_swarm, signed_dht_record, store_at
 
 pytestmark = [pytest.mark.slow]
 NET = "flood"
@@ -51,19 +48,6 @@ async def _go_mute(_dht: Any, node: Any, header_size: int | None = None) -> None
         writer.close()
 
     await node.p2p.add_binary_stream_handler(HANDLER, handler)
-
-
-async def _store_at(_dht: Any, node: Any, peer: str, items: list[tuple[bytes, bytes, bytes, float]]) -> list[bool]:
-    """Ask one peer to store pre-signed values, as any program speaking hivemind's protocol can."""
-    out: list[bool] = []
-    for i in range(0, len(items), 25):
-        part = items[i:i + 25]
-        ok = await node.protocol.call_store(
-            PeerID.from_base58(peer), keys=[DHTID.from_bytes(k) for k, _, _, _ in part], values=[v for _, _, v, _ in part],
-            expiration_time=[e for _, _, _, e in part], subkeys=[msgspec.msgpack.decode(s) for _, s, _, _ in part])
-        assert ok is not None, "the peer did not answer"
-        out += list(ok)
-    return out
 
 
 def _value(who: Identity, record: Record) -> tuple[bytes, bytes, bytes, float]:
@@ -90,7 +74,7 @@ def _forged_peer(addrs: list[str], created: float) -> tuple[bytes, bytes, bytes,
 def _flood(peers: dict[str, BlobPeer], items: list) -> None:
     """Store the forged values at every peer (the bootstrap's and the fetcher's copies are what a read finds)."""
     for target, sender in (("boot", "fetcher"), ("honest", "fetcher"), ("fetcher", "boot")):
-        ok = peers[sender].dht.run_coroutine(_store_at, peer=peers[target].id, items=items, timeout=120)
+        ok = peers[sender].dht.run_coroutine(store_at, peer=peers[target].id, items=items, timeout=120)
         assert any(ok), f"{target} stored none of the forged values"
 
 

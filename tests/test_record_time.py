@@ -5,13 +5,12 @@ it stores them again. The storage caps never let `created` decide whose value a 
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from typing import Iterator
 
 import msgspec
 import pytest
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
-from hivemind.p2p import PeerID
 
 from skillswarm.protocol import keys
 from skillswarm.protocol.codec import decode_record, encode_record
@@ -25,6 +24,7 @@ from skillswarm.protocol.transport.storage_caps import CappedStorage
 from skillswarm.protocol.transport.validation import (
     CLOCK_SKEW, MAX_TTL, OwnerSignatureValidator, StorePolicy, _signed_message,
 )
+from tests.net_helpers import store_at
 
 NET = "clocks"
 coordinator = Identity.generate()
@@ -159,15 +159,6 @@ def test_a_full_keys_bytes_stay_far_below_a_message() -> None:
 
 
 # ---- a real peer ---------------------------------------------------------------------------------
-async def _store_at(_dht: Any, node: Any, peer: str, items: list) -> list[bool]:
-    """Ask one peer to store pre-signed values, as any program speaking hivemind's protocol can."""
-    ok = await node.protocol.call_store(
-        PeerID.from_base58(peer), keys=[DHTID.from_bytes(k) for k, _, _, _ in items], values=[v for _, _, v, _ in items],
-        expiration_time=[e for _, _, _, e in items], subkeys=[msgspec.msgpack.decode(s) for _, s, _, _ in items])
-    assert ok is not None, "the peer did not answer"
-    return list(ok)
-
-
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[SwarmDHT, SwarmDHT]]:
     spec = NetworkSpec(network=NET, base_model="m", base_hash="a" * 64, skills=["arith"],
@@ -191,7 +182,7 @@ def test_a_real_peer_refuses_records_from_the_future_and_stale_ones(pair: tuple[
     future, stale, honest, skewed = (Identity.generate() for _ in range(4))
     items = [_raw(future, _peer(future, 1e11), ttl=300), _raw(stale, _peer(stale, now - 3600), ttl=300),
              _raw(honest, _peer(honest, now), ttl=300), _raw(skewed, _peer(skewed, now + 20), ttl=300)]
-    assert sender.run_coroutine(_store_at, peer=host.peer_id, items=items) == [False, False, True, True]
+    assert sender.run_coroutine(store_at, peer=host.peer_id, items=items) == [False, False, True, True]
     seen = {p.author for p in host.get_peers()}
     assert {honest.public_key_hex, skewed.public_key_hex} <= seen
     assert not seen & {future.public_key_hex, stale.public_key_hex}

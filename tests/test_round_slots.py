@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from skillswarm.merge.deltas import encode_delta
 from skillswarm.node.rounds import Candidate, RoundContext
@@ -22,21 +21,16 @@ from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.records import (CheckpointManifest, DeltaManifest, DeltaRef, FileEntry, NetworkSpec,
                                          Rejection, ScreenPolicy, TrustPolicy)
 from skillswarm.protocol.transport.blobs import BlobStore
+from tests.tiny import SHAPES, write_base
 
 NET = "slots"
-SHAPES = {"emb": (40, 8), "w": (8, 8), "norm": (8,)}
 SLOTS = 8
 SYBILS = 32
 
 
 @pytest.fixture
 def base(tmp_path: Path) -> Path:
-    g = torch.Generator().manual_seed(0)
-    d = tmp_path / "base"
-    d.mkdir()
-    save_file({k: torch.randn(s, generator=g) for k, s in SHAPES.items()}, str(d / "model.safetensors"))
-    (d / "config.json").write_text("{}")
-    return d
+    return write_base(tmp_path)
 
 
 def _spec(base: Path, slots: int = SLOTS) -> NetworkSpec:

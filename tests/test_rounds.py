@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from skillswarm.merge.deltas import encode_delta
 from skillswarm.node.rounds import Candidate, RoundContext, RoundStrategy
@@ -24,19 +23,14 @@ from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.records import (
     CheckpointManifest, DeltaManifest, DeltaRef, FileEntry, NetworkSpec, Rejection, ScreenPolicy, TrustPolicy,
 )
+from tests.tiny import SHAPES, write_base
 
 NET = "rounds"
-SHAPES = {"emb": (40, 8), "w": (8, 8), "norm": (8,)}
 
 
 @pytest.fixture
 def base(tmp_path: Path) -> Path:
-    g = torch.Generator().manual_seed(0)
-    d = tmp_path / "base"
-    d.mkdir()
-    save_file({k: torch.randn(s, generator=g) for k, s in SHAPES.items()}, str(d / "model.safetensors"))
-    (d / "config.json").write_text("{}")
-    return d
+    return write_base(tmp_path)
 
 
 def _spec(base: Path, **changes) -> NetworkSpec:

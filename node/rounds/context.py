@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Protocol
 
+from skillswarm.merge.screening import short_reason
 from skillswarm.node.rounds.paired import Paired, Scores, scores
 from skillswarm.protocol.errors import RecordError
 from skillswarm.protocol.transport.blobs import BlobStore
@@ -24,7 +25,6 @@ from skillswarm.protocol.records import (LAYERS_FIGURE, CheckpointManifest, Delt
 
 log = logging.getLogger(__name__)
 
-REASON_CHARS = 256
 _FIGURE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 
 
@@ -107,7 +107,7 @@ class RoundContext:
         """Record that `cand` is out of the round, at `step`, and why. `harmful` False: the delta did no harm
         (its blob did not arrive, its gain was not significant), so it does not count against its key."""
         figures = {"harmful": float(harmful), **(figures or cand.figures)}
-        short = reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS - 3] + "..."
+        short = short_reason(reason)  # a reason may quote a hostile file: one line, UTF-8, capped
         log.info("round v%d: rejected %s (%s) at %s: %s", self.parent.version, cand.manifest.blob[:12], cand.skill,
                  step, short)
         self.rejected.append((cand, Rejection(blob=cand.manifest.blob, author=cand.author, skill=cand.skill,
