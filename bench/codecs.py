@@ -49,9 +49,11 @@ def _train(base: Path, skill: str, steps: int, out: Path) -> Path:
 
 
 def main() -> None:
+    from skillswarm.protocol.records import EVAL_N
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=Path, help="where the specialists are trained (kept, and reused next time)")
-    parser.add_argument("--eval-n", type=int, default=300, help="held-out tasks per skill")
+    parser.add_argument("--eval-n", type=int, default=EVAL_N, help="held-out tasks per skill")
     parser.add_argument("--only", nargs="*", help="codec labels to run (default: all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()

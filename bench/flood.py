@@ -92,7 +92,7 @@ def attack(cfg: dict) -> None:
     import msgspec
 
     from skillswarm.protocol.identity import Identity
-    from skillswarm.protocol.records import DeltaManifest, PeerRecord, ProviderRecord
+    from skillswarm.protocol.records import PeerRecord, ProviderRecord
     from skillswarm.protocol.transport.dht import SwarmDHT
 
     stop = False

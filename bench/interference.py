@@ -55,14 +55,16 @@ def round_deltas(model: Path, changes: dict[str, Any], seed: int, steps: int, ev
     """Train one round of each skill from `model`; the deltas and each specialist's accuracy on its skill."""
     from safetensors.torch import load_file
 
-    from skillswarm.node.rl.config import TrainConfig
+    from skillswarm.node.demo import DemoConfig
+    from skillswarm.node.rl.config import TrainConfig, default_of
     from skillswarm.node.rl.run import train
 
     start = load_file(model / "model.safetensors")
     deltas, specialist, before = {}, {}, {}
     for i, skill in enumerate(SKILLS):
-        settings = {"group_size": 8, "batch": 8, "threads": 1, "eval_every": 0, "save_every": 0, "codec": None,
-                    "retain_skills": tuple(SKILLS), **changes}
+        settings = {"group_size": default_of(DemoConfig, "group_size"), "batch": default_of(DemoConfig, "batch"),
+                    "threads": 1, "eval_every": 0, "save_every": 0, "codec": None, "retain_skills": tuple(SKILLS),
+                    **changes}
         cfg = TrainConfig(model_dir=model, skill=skill, steps=steps, out_dir=work / skill, eval_n=eval_n,
                           seed=seed * 1000 + i, **settings)
         result = train(cfg, progress=False)
@@ -98,10 +100,12 @@ def measure(model: Path, r: dict[str, Any], eval_n: int, merges: dict[str, tuple
 
 
 def main() -> int:
+    from skillswarm.protocol.records import EVAL_N
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, help="starting model (default: the nano base, built if needed)")
     parser.add_argument("--steps", type=int, default=50, help="steps of the round (the demo's)")
-    parser.add_argument("--eval-n", type=int, default=300)
+    parser.add_argument("--eval-n", type=int, default=EVAL_N)
     parser.add_argument("--variant", action="append", default=[], help="NAME:KEY=VALUE,... (repeatable)")
     parser.add_argument("--seeds", default="0", help="comma-separated seeds, one round each")
     parser.add_argument("--merge", action="append", default=[], help="LABEL=METHOD:KEY=VALUE,... (repeatable)")

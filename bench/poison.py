@@ -21,7 +21,7 @@ against the skill with the largest honest gain (`target`) unless said otherwise:
   costs add up, which is what the merge guard is for;
 - copycat: two keys claiming the target's honest delta as their own work: the same file re-signed (the same blob),
   and the delta x 0.98 re-encoded (another blob), for the honest worker's weight and credit twice over.
-The coordinator sees the honest deltas first (`RoundContext.first_seen`): every attack but the random direction is made
+The coordinator sees the honest deltas first (`RoundInputs.first_seen`): every attack but the random direction is made
 from them, so it can only be published after them. Attackers are told apart from honest workers by key (a re-signed
 copy has the honest blob).
 For each: whether the attacker was included (`screened_in`: past the per-delta screening, before the guard), and per skill the merged model's held-out accuracy (n =
@@ -96,16 +96,14 @@ class Drill:
         from skillswarm.node.rl.evaluation import evaluate
         from skillswarm.protocol.hashing import weights_hash
         from skillswarm.protocol.identity import Identity
-        from skillswarm.protocol.records import (DEFAULT_LAMBDA_SEARCH, CheckpointManifest, FileEntry, MergePolicy,
-                                                 NetworkSpec, ScreenPolicy)
+        from skillswarm.protocol.netspec import new_network
+        from skillswarm.protocol.records import CheckpointManifest, FileEntry
 
         self.base, self.work, self.eval_n, self.evaluate = base, work, eval_n, evaluate
         self.base_hash = weights_hash(base)
         coordinator = Identity.generate()
-        self.spec = NetworkSpec(network="drill", base_model=str(base), base_hash=self.base_hash, skills=SKILLS,
-                                coordinators=[coordinator.public_key_hex], codec="dense_fp32",
-                                merge=MergePolicy(scale_search=list(DEFAULT_LAMBDA_SEARCH)),  # as `net init` writes it
-                                screen=ScreenPolicy.for_new_network())
+        self.spec = new_network("drill", str(base), self.base_hash, SKILLS, [coordinator.public_key_hex],
+                                codec="dense_fp32")  # the policies as `net init` writes them
         self.reputed = reputed  # every key comes with a record (one earned inclusion): credit applies to all
         self.parent = CheckpointManifest(network="drill", version=0, weights_hash=self.base_hash,
                                          files=[FileEntry(path="config.json", sha256="0" * 64, size=1)])
@@ -130,25 +128,27 @@ class Drill:
         """Screen (the default steps, or only the old file checks), merge (under the guard when screened), evaluate
         every skill; the coordinator saw `candidates` in their order, one second apart. info["screened_in"] holds the
         keys of the candidates past the screening steps, before the guard."""
-        from skillswarm.node.rounds import RoundContext, RoundStrategy
+        from skillswarm.node.rounds import RoundInputs, RoundStrategy
         from skillswarm.node.rounds.guard import MergeGuard
         from skillswarm.node.rounds.strategy import default_steps
         from skillswarm.protocol.transport.blobs import BlobStore
 
         steps = [s for s in default_steps() if s.name != "fetch"] if screened else [_OldScreen()]
-        ctx = RoundContext(spec=self.spec, parent=self.parent, base_dir=self.base, blobs=BlobStore(self.work / "blobs"),
-                           history=[self.parent, *self._records(candidates)], eval_seed=1234,
-                           first_seen={(c.author, c.manifest.blob): float(i) for i, c in enumerate(candidates)})
+        inputs = RoundInputs(spec=self.spec, parent=self.parent, base_dir=self.base,
+                             blobs=BlobStore(self.work / "blobs"), history=[self.parent, *self._records(candidates)],
+                             eval_seed=1234,
+                             first_seen={(c.author, c.manifest.blob): float(i) for i, c in enumerate(candidates)})
         # the unscreened round is the merge before any of this: no guard, and the network's lambda
         strategy = RoundStrategy(steps=steps, guard=MergeGuard() if screened else None,
                                  **({} if screened else {"search": None}))
-        screened_in = strategy.screen(ctx, candidates)
+        passed = strategy.screen(inputs, candidates)
         self.n += 1
         out = self.work / f"merged-{self.n}"
         shutil.rmtree(out, ignore_errors=True)  # a kept --work directory may hold an interrupted drill's merge
-        _, accepted = strategy.merge_guarded(ctx, screened_in, out, self.work / f"merged-{self.n}.delta")
-        info = {"seconds": dict(ctx.seconds), "rejected": [r.reason for _, r in ctx.rejected],
-                "screened_in": {c.author for c in screened_in}}
+        _, state = strategy.merge_guarded(inputs, passed, out, self.work / f"merged-{self.n}.delta")
+        accepted = list(state.candidates)
+        info = {"seconds": dict(state.seconds), "rejected": [r.rejection.reason for r in state.rejected],
+                "screened_in": {c.author for c in passed.candidates}}
         key = (screened, tuple(sorted((c.manifest.blob, c.weight) for c in accepted)))
         if key not in self.cache:  # the same deltas merge to the same bits: the same accuracies
             self.cache[key] = {s: self.evaluate(out, s, n=self.eval_n).accuracy for s in SKILLS} if accepted else \
@@ -174,19 +174,21 @@ class _OldScreen:
 
     name = "old_screen"
 
-    def __call__(self, ctx: Any, candidates: list[Any]) -> list[Any]:
+    def __call__(self, inputs: Any, state: Any) -> Any:
         from skillswarm.merge.screening import DeltaCandidate, screen_deltas
+        from skillswarm.node.rounds import Verdict
 
-        r = screen_deltas(ctx.base_dir, [DeltaCandidate(c.path, key=c.manifest.blob, base_hash=c.manifest.base_hash)
-                                         for c in candidates],
-                          base_hash=ctx.parent.weights_hash, max_norm_ratio=5.0)
+        candidates = state.candidates
+        r = screen_deltas(inputs.base_dir, [DeltaCandidate(c.path, key=c.manifest.blob, base_hash=c.manifest.base_hash)
+                                            for c in candidates],
+                          base_hash=inputs.parent.weights_hash, max_norm_ratio=5.0)
         ok = {a.candidate.key for a in r.accepted}
-        return [c for c in candidates if c.manifest.blob in ok]
+        return Verdict(tuple(c for c in candidates if c.manifest.blob in ok))
 
 
 def main() -> None:
     from skillswarm.node.demo import DemoConfig
-    from skillswarm.node.rl.config import default_of
+    from skillswarm.node.rl.config import EVAL_N, default_of
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="Base model (default: the nano model, built if needed).")
@@ -194,7 +196,7 @@ def main() -> None:
                     help="RL steps of each honest worker (default: the demo's round).")
     ap.add_argument("--minutes", type=float, default=default_of(DemoConfig, "minutes_per_round"),
                     help="Time cap of each honest round (default: the demo's).")
-    ap.add_argument("--eval-n", type=int, default=300, help="Held-out tasks per skill for the merged accuracies.")
+    ap.add_argument("--eval-n", type=int, default=EVAL_N, help="Held-out tasks per skill for the merged accuracies.")
     ap.add_argument("--reputed", action="store_true",
                     help="Every key, honest or hostile, has a record (an earlier inclusion), so the network's credit "
                          "rule applies to the attackers too: a proven key turned hostile.")

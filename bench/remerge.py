@@ -1,7 +1,8 @@
 """Re-merge a finished demo run's rounds with other merge settings, and judge the coordinator's lambda search.
 
 For each round of `skillswarm demo --out DIR`, the deltas the coordinator included are merged again onto that
-round's parent with every `--merge` variant, and each merge is evaluated greedily on the first `--eval-n` held-out
+round's parent with every `--merge` variant (by the round's recipe, `merge.round_merge`: each delta at the weight and in
+the layers the coordinator merged it), and each merge is evaluated greedily on the first `--eval-n` held-out
 tasks per skill, against the round's specialists (parent + that skill's delta alone, as its worker measured it):
 how much of each specialist's accuracy the merge keeps, per skill, summed and at the worst skill. `--lambdas`
 plays the coordinator's search (node/rounds/scale_search.py) on each round's own first-look tasks (its eval seed)
@@ -43,29 +44,33 @@ def delta_file(run: Path, blob: str, version: int) -> Path:
 
 
 def rounds_of(run: Path) -> list[dict[str, Any]]:
-    """Each merged round of a demo run: parent dir, included deltas' files by skill, eval seed, specialists."""
+    """Each merged round of a demo run: parent dir, included deltas (files, weights, layers: what the coordinator
+    merged), eval seed, specialists."""
     import msgspec
+
+    from skillswarm.merge.rounds import included_deltas
+    from skillswarm.protocol.records import CheckpointManifest
 
     report, cks = demo_run(run)
     out = []
     for v in range(1, report["final_version"] + 1):
-        m = msgspec.msgpack.decode((cks / f"v{v}" / "manifest.msgpack").read_bytes())
-        groups: dict[str, list[tuple[Path, float]]] = {}
-        for d in m["included"]:
-            groups.setdefault(d["skill"], []).append((delta_file(run, d["blob"], v), 1.0))
-        if groups:
-            out.append({"version": v, "parent": cks / f"v{v - 1}", "groups": groups, "eval_seed": m["eval_seed"],
+        m = msgspec.msgpack.decode((cks / f"v{v}" / "manifest.msgpack").read_bytes(), type=CheckpointManifest)
+        deltas = included_deltas(m, lambda ref: delta_file(run, ref.blob, v))
+        if deltas:
+            out.append({"version": v, "parent": cks / f"v{v - 1}", "deltas": deltas, "eval_seed": m.eval_seed,
                         "specialist": {s: x["after"] for s, x in report["specialists"][str(v - 1)].items()}})
     return out
 
 
-def merged_into(parent: Path, groups: dict[str, Any], method: str, params: dict[str, Any], out: Path, seed: int) -> Path:
-    """The merge of `groups` onto `parent` (TIES' trimmed-mean aggregator within a skill, as the network)."""
-    from skillswarm.merge.streaming import MergeSpec, merge_checkpoint
+def merged_into(parent: Path, deltas: list[Any], method: str, params: dict[str, Any], out: Path, seed: int) -> Path:
+    """The round's merge of `deltas` onto `parent` (`merge.round_merge`) by `method` at `params`, with the network's
+    aggregator within a skill."""
+    from skillswarm.merge.rounds import round_merge
+    from skillswarm.merge.streaming import MergeSpec
     from skillswarm.protocol.records import MergePolicy
 
-    merge_checkpoint(parent, groups, MergeSpec(method, params, MergePolicy().aggregator, MergePolicy().trim_fraction),
-                     out, seed=seed, progress=False)
+    round_merge(parent, deltas, MergeSpec(method, params, MergePolicy().aggregator, MergePolicy().trim_fraction), out,
+                seed=seed)
     return out
 
 
@@ -83,11 +88,13 @@ def held_out(model: Path, skills: list[str], n: int, seed: int | None = None) ->
 
 
 def main() -> int:
+    from skillswarm.protocol.records import EVAL_N
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", type=Path, action="append", required=True, help="a demo's --out (repeatable)")
     parser.add_argument("--merge", action="append", default=[], help="LABEL=METHOD:KEY=VALUE,... (repeatable)")
     parser.add_argument("--lambdas", default="", help="comma-separated lambdas for the search, the first the network's")
-    parser.add_argument("--eval-n", type=int, default=300)
+    parser.add_argument("--eval-n", type=int, default=EVAL_N)
     parser.add_argument("--confidence", type=float, default=None, help="the search's (default: the network's)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -112,12 +119,12 @@ def main() -> int:
             row: dict[str, Any] = {"run": str(run), "version": r["version"], "specialist": r["specialist"], "merges": {}}
             with tempfile.TemporaryDirectory(prefix="remerge-") as tmp:
                 for label, (method, params) in merges.items():
-                    d = merged_into(r["parent"], r["groups"], method, params, Path(tmp) / label, r["version"] - 1)
+                    d = merged_into(r["parent"], r["deltas"], method, params, Path(tmp) / label, r["version"] - 1)
                     row["merges"][label] = held_out(d, skills, args.eval_n)["accuracy"]
                 if lambdas:
                     tried = []
                     for lam in lambdas:
-                        d = merged_into(r["parent"], r["groups"], network.method, {"density": network.density, "scale": lam},
+                        d = merged_into(r["parent"], r["deltas"], network.method, {"density": network.density, "scale": lam},
                                         Path(tmp) / f"lambda{lam:g}", r["version"] - 1)
                         tried.append((lam, held_out(d, skills, args.eval_n, r["eval_seed"])))
                     alpha = (1 - confidence) / max(1, len(lambdas) - 1)

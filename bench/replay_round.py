@@ -49,7 +49,7 @@ def replay(run: Path, eval_n: int | None, confidence: float | None, accept_all: 
 
     from skillswarm.node.rl.engines.hf import HFEngine
     from skillswarm.node.rl.evaluation import evaluate
-    from skillswarm.node.rounds.context import Candidate, RoundContext
+    from skillswarm.node.rounds.state import Candidate, RoundInputs
     from skillswarm.node.rounds.strategy import RoundStrategy, Weigh
     from skillswarm.node.rounds.usefulness import Usefulness
     from skillswarm.protocol.netspec import load_spec
@@ -88,14 +88,15 @@ def replay(run: Path, eval_n: int | None, confidence: float | None, accept_all: 
                                     path=delta_file(run, d.blob, last)))
     parent = cks / f"v{last - 1}"
     with tempfile.TemporaryDirectory(prefix="replay-") as tmp:
-        ctx = RoundContext(spec=spec, parent=history[-1], base_dir=parent, blobs=BlobStore(Path(tmp) / "blobs"),
-                           history=history, eval_seed=final.eval_seed or 0)
+        inputs = RoundInputs(spec=spec, parent=history[-1], base_dir=parent, blobs=BlobStore(Path(tmp) / "blobs"),
+                             history=history, eval_seed=final.eval_seed or 0)
         # unscreened: no steps, no lambda search, no guard; else the network's usefulness test, weights, search, guard
         strategy = RoundStrategy(steps=[], guard=None, search=None) if accept_all else \
             RoundStrategy(steps=[Usefulness(), Weigh()])
         t0 = time.monotonic()
-        kept = strategy.merge_guarded(ctx, strategy.screen(ctx, candidates), Path(tmp) / "merged",
-                                      Path(tmp) / "delta.safetensors")[1]
+        _, state = strategy.merge_guarded(inputs, strategy.screen(inputs, candidates), Path(tmp) / "merged",
+                                          Path(tmp) / "delta.safetensors")
+        kept = state.candidates
         seconds = time.monotonic() - t0
         engine = HFEngine.load(Path(tmp) / "merged" if kept else parent)
         skills = {}
@@ -107,7 +108,7 @@ def replay(run: Path, eval_n: int | None, confidence: float | None, accept_all: 
             gain = measured["specialist"] - measured["base"]
             skills[skill] = {"merged": merged, "retention": (merged - measured["base"]) / gain if gain > 0 else None}
     return {"run": str(run), "version": last, "kept": sorted(c.skill for c in kept),
-            "lambda": ctx.merge_policy.scale if kept and ctx.merge_policy else None, "seconds": round(seconds, 1),
+            "lambda": state.merge_policy.scale if kept and state.merge_policy else None, "seconds": round(seconds, 1),
             "skills": skills, "min_retention": min((s["retention"] for s in skills.values() if s["retention"] is not None),
                                                    default=None)}
 

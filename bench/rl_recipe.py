@@ -45,12 +45,14 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
 def run_rounds(model: Path, skill: str, rounds: int, steps: int, eval_n: int, seed: int, changes: dict[str, Any],
                work: Path) -> dict[str, Any]:
     """Train `rounds` rounds of `steps` from `model`; the accuracy after each round and the wall time."""
-    from skillswarm.node.rl.config import TrainConfig
+    from skillswarm.node.demo import DemoConfig
+    from skillswarm.node.rl.config import TrainConfig, default_of
     from skillswarm.node.rl.run import train
 
     accuracy, start, seconds = [], None, 0.0
     for r in range(rounds):
-        settings = {"group_size": 8, "threads": 1, "eval_every": 0, "save_every": 0, "codec": None, **changes}
+        settings = {"group_size": default_of(DemoConfig, "group_size"), "threads": 1, "eval_every": 0, "save_every": 0,
+                    "codec": None, **changes}
         cfg = TrainConfig(model_dir=model, skill=skill, steps=steps, out_dir=work / f"round{r}", eval_n=eval_n,
                           seed=seed * 1000 + r, **settings)
         t0 = time.monotonic()
@@ -64,12 +66,14 @@ def run_rounds(model: Path, skill: str, rounds: int, steps: int, eval_n: int, se
 
 
 def main() -> int:
+    from skillswarm.protocol.records import EVAL_N
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--skill", default="arith")
     parser.add_argument("--model", type=Path, help="starting model (default: the nano base, built if needed)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=50, help="steps per round (the demo's)")
-    parser.add_argument("--eval-n", type=int, default=300)
+    parser.add_argument("--eval-n", type=int, default=EVAL_N)
     parser.add_argument("--variant", action="append", default=[], help="NAME:KEY=VALUE,... (repeatable)")
     parser.add_argument("--seeds", default="0", help="comma-separated seeds, one run each")
     parser.add_argument("--json", action="store_true")

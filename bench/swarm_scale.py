@@ -474,15 +474,14 @@ def main() -> None:
         with Console(stderr=True).status("building the base model") as status:
             from skillswarm.protocol.hashing import weights_hash
             from skillswarm.protocol.identity import Identity
-            from skillswarm.protocol.netspec import save_spec
-            from skillswarm.protocol.records import NetworkSpec, ScreenPolicy, TrustPolicy
+            from skillswarm.protocol.netspec import new_network, save_spec
+            from skillswarm.protocol.records import ScreenPolicy, TrustPolicy
 
             base = build_base(work, params)
             coord = Identity.load_or_create(work / "coordinator.key")
-            save_spec(coord.sign_record(NetworkSpec(
-                network=NET, base_model=str(base), base_hash=weights_hash(base), skills=SKILLS,
-                coordinators=[coord.public_key_hex], codec="dense_bf16", screen=ScreenPolicy(eval_n=0),
-                trust=TrustPolicy(max_deltas_per_round=128))), work / "net.toml")
+            save_spec(coord.sign_record(new_network(  # no usefulness test, so no lambda search either
+                NET, str(base), weights_hash(base), SKILLS, [coord.public_key_hex], codec="dense_bf16",
+                screen=ScreenPolicy(eval_n=0), trust=TrustPolicy(max_deltas_per_round=128))), work / "net.toml")
             for n in args.workers:
                 row = run_round(n, params, args.rate_mbit * 1e6 / 8, work, status)
                 if args.rate_mbit:

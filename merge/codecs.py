@@ -35,6 +35,8 @@ from skillswarm.protocol.records import CODECS
 DENSE_DTYPES: dict[str, torch.dtype] = {
     "dense_fp32": torch.float32, "dense_bf16": torch.bfloat16, "dense_fp16": torch.float16,
 }
+# A merged delta's storage where no checkpoint dtype picks one (deltas.dense_codec_for): fp32 keeps the merge's exactly.
+MERGED_DELTA_CODEC = "dense_fp32"
 DEFAULT_PARAMS: dict[str, dict[str, float]] = {
     "dense_fp32": {}, "dense_bf16": {}, "dense_fp16": {},
     "topk": {"density": 0.1, "value_bits": 16.0},

@@ -21,8 +21,8 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from skillswarm.merge.checkpoint import Checkpoint
-from skillswarm.merge.codecs import (DENSE_DTYPES, SUFFIXES, TOPK_SCALE, Factors, codec_params, decode_parts,
-                                     decode_rows, encode_tensor, part_layout, stored_kind, tensor_kind)
+from skillswarm.merge.codecs import (DENSE_DTYPES, MERGED_DELTA_CODEC, SUFFIXES, TOPK_SCALE, Factors, codec_params,
+                                     decode_parts, decode_rows, encode_tensor, part_layout, stored_kind, tensor_kind)
 from skillswarm.merge.exact import SquareSum
 from skillswarm.merge import peft_format
 from skillswarm.merge.progress import progress_bar
@@ -227,7 +227,7 @@ def dense_codec_for(model_dir: Path | str) -> str:
     for codec, dtype in DENSE_DTYPES.items():
         if dtypes == {dtype}:
             return codec
-    return "dense_fp32"
+    return MERGED_DELTA_CODEC
 
 
 BYTES_PER_PARAM = 12  # the most any codec stores per weight: top-k at density 1 (int64 index + fp32 value)

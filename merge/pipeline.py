@@ -25,6 +25,7 @@ from typing import IO, Any, Protocol, Sequence
 import torch
 
 from skillswarm.merge.checkpoint import DEFAULT_SHARD_BYTES, Checkpoint, CheckpointWriter
+from skillswarm.merge.codecs import MERGED_DELTA_CODEC
 from skillswarm.merge.deltas import FLOAT_DTYPES, DeltaFile, DeltaInfo, _metadata
 from skillswarm.merge.exact import SquareSum, cast, check_float_environment
 from skillswarm.merge.progress import progress_bar
@@ -112,7 +113,7 @@ class _MergedDelta:
 
 
 def run_pipeline(engine: Engine, out_dir: Path | str, *, delta_out: Path | str | None = None,
-                 delta_codec: str = "dense_fp32", delta_base_hash: str | None = None,
+                 delta_codec: str = MERGED_DELTA_CODEC, delta_base_hash: str | None = None,
                  max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, workers: int | None = None,
                  chunk_elems: int = CHUNK_ELEMS, progress: bool = True, label: str = "merging",
                  config_dtype: torch.dtype | None = None, tokenizer_from: Path | str | None = None) -> MergeResult:

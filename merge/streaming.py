@@ -24,7 +24,7 @@ import torch
 
 from skillswarm.merge.aggregate import aggregate
 from skillswarm.merge.checkpoint import DEFAULT_SHARD_BYTES, Checkpoint
-from skillswarm.merge.codecs import DENSE_DTYPES
+from skillswarm.merge.codecs import DENSE_DTYPES, MERGED_DELTA_CODEC
 from skillswarm.merge.deltas import DeltaFile
 from skillswarm.merge.exact import SquareSum, cast
 from skillswarm.merge.methods import Method, get_method
@@ -360,7 +360,7 @@ def _run(base_dir: Path | str, plan: list[tuple[str, list[tuple[Path | str, floa
 def merge_checkpoint(base_dir: Path | str, groups: Mapping[str, Sequence[tuple[Path | str, float]]],
                      policy: MergePolicy | MergeSpec, out_dir: Path | str, *, seed: int = 0,
                      skill_weights: Mapping[str, float] | None = None, delta_out: Path | str | None = None,
-                     delta_codec: str = "dense_fp32", base_hash: str | None = None,
+                     delta_codec: str = MERGED_DELTA_CODEC, base_hash: str | None = None,
                      out_dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                      overwrite: bool = False, workers: int | None = None, chunk_elems: int = CHUNK_ELEMS,
                      progress: bool = True, first_layers: Mapping[str, int] | None = None) -> MergeResult:
@@ -408,7 +408,7 @@ def merge_models(base_dir: Path | str, models: Sequence[MergeInput | Path | str]
 
 
 def _defaults(options: Mapping[str, Any]) -> dict[str, Any]:
-    allowed = {"seed": 0, "delta_out": None, "delta_codec": "dense_fp32", "base_hash": None, "out_dtype": None,
+    allowed = {"seed": 0, "delta_out": None, "delta_codec": MERGED_DELTA_CODEC, "base_hash": None, "out_dtype": None,
                "max_shard_bytes": DEFAULT_SHARD_BYTES, "overwrite": False, "workers": None,
                "chunk_elems": CHUNK_ELEMS, "progress": True, "tensor_params": None, "tokenizer_from": None}
     unknown = set(options) - set(allowed)

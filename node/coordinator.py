@@ -34,13 +34,12 @@ from typing import Callable
 
 import msgspec
 
-from skillswarm.merge.deltas import dense_codec_for
+from skillswarm.merge.rounds import RoundDelta, included_deltas, round_merge
 from skillswarm.merge.screening import short_reason
 from skillswarm.node import failpoints
 from skillswarm.node.pull import find_checkpoint, local_base, pull, share
 from skillswarm.node.rl.config import EVAL_N
-from skillswarm.node.rounds import Candidate, RoundContext, RoundStrategy, evaluate_all
-from skillswarm.node.rounds.context import clean_figures, first_layers
+from skillswarm.node.rounds import Candidate, RoundInputs, RoundStrategy, evaluate_all
 from skillswarm.node.store import CheckpointStore, checkpoint_files, link_or_copy, with_trees
 from skillswarm.protocol.codec import encode_record
 from skillswarm.protocol.errors import RecordError, SkillswarmError, SpecError
@@ -49,7 +48,6 @@ from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.records import (
     CheckpointManifest,
     DeltaManifest,
-    DeltaRef,
     FileEntry,
     MergePolicy,
     NetworkSpec,
@@ -76,7 +74,7 @@ class MergeOptions:
     chunk_elems: int | None = None  # elements per row chunk: memory per input
 
     def kwargs(self) -> dict[str, int]:
-        """The keyword arguments of `merge_checkpoint` these options set."""
+        """The keyword arguments of `round_merge` (and `merge_checkpoint`) these options set."""
         return {k: v for k, v in (("workers", self.threads), ("chunk_elems", self.chunk_elems)) if v}
 
 
@@ -247,27 +245,28 @@ class Coordinator:
         `earlier`: this round's rejections from attempts that merged nothing (listed in the manifest too)."""
         t0 = time.monotonic()
         self.state = "merging"
-        ctx = RoundContext(spec=self.spec, parent=current, base_dir=self.store.path(current.version), blobs=self.blobs,
-                           history=self.history(current), online=online, dht=self.dht,
-                           eval_seed=secrets.randbits(63), progress=self.progress,
-                           first_seen={(d.author, d.blob): self.first_seen.get((d.author, d.blob), time.time())
-                                       for d in deltas})
-        candidates = [Candidate(d) for d in sorted(deltas, key=lambda d: d.blob)]
-        accepted = self.strategy.screen(ctx, candidates)
+        inputs = RoundInputs(spec=self.spec, parent=current, base_dir=self.store.path(current.version),
+                             blobs=self.blobs, history=self.history(current), online=online, dht=self.dht,
+                             eval_seed=secrets.randbits(63), progress=self.progress,
+                             first_seen={(d.author, d.blob): self.first_seen.get((d.author, d.blob), time.time())
+                                         for d in deltas})
+        state = self.strategy.screen(inputs, [Candidate(d) for d in sorted(deltas, key=lambda d: d.blob)])
         staging = self.store.staging()
         try:
             out = staging / "ckpt"
-            if accepted:
+            if state.candidates:
                 failpoints.hit("coordinator.before_merge")
-                result, accepted = self.strategy.merge_guarded(ctx, accepted, out, staging / "merged.safetensors",
-                                                               **self.merge_options.kwargs())
+                result, state = self.strategy.merge_guarded(inputs, state, out, staging / "merged.safetensors",
+                                                            **self.merge_options.kwargs())
                 failpoints.hit("coordinator.after_merge")
-            now = {r.blob for _, r in ctx.rejected}
-            rejected = [r for r in earlier if r.blob not in now] + [r for _, r in ctx.rejected]
+            accepted = state.candidates  # what the last merge holds
+            now = {r.rejection.blob for r in state.rejected}
+            rejected = [r for r in earlier if r.blob not in now] + [r.rejection for r in state.rejected]
             # a rejected blob is never merged: do not keep it (nor let it fill the disk)
-            self._remove_blobs({c.manifest.blob for c, _ in ctx.rejected} - {c.manifest.blob for c in accepted}, current)
+            self._remove_blobs({r.candidate.manifest.blob for r in state.rejected}
+                               - {c.manifest.blob for c in accepted}, current)
             if not accepted:
-                raise RoundRejected(current.version, rejected, ctx.eval_seed)
+                raise RoundRejected(current.version, rejected, inputs.eval_seed)
             self.state = "evaluating"
             metrics = self.strategy.evaluate(out, list(self.spec.skills), self.eval_n)
             delta_sha = self.blobs.add_file(staging / "merged.safetensors", move=True)
@@ -278,10 +277,10 @@ class Coordinator:
                 merged_delta=FileEntry(path="merged_delta.safetensors", sha256=delta_sha, size=self.blobs.size(delta_sha),
                                        tree=self.blobs.tree(delta_sha)),
                 method=self.spec.merge.method, aggregator=self.spec.merge.aggregator,
-                params=merge_params(ctx.merge_policy or self.spec.merge, current.version),
-                included=[DeltaRef(blob=c.manifest.blob, author=c.author, skill=c.skill, weight=c.weight,
-                                   norm=c.norm or 0.0, figures=clean_figures(c.figures)) for c in accepted],
-                rejected=rejected[:128], omitted=ctx.omitted + max(0, len(rejected) - 128), eval_seed=ctx.eval_seed,
+                params=merge_params(state.merge_policy or self.spec.merge, current.version),
+                included=[c.to_ref() for c in accepted],
+                rejected=rejected[:128], omitted=state.omitted + max(0, len(rejected) - 128),
+                eval_seed=inputs.eval_seed,
                 metrics=metrics,
             ), self.identity)
             self.store.commit(manifest, out, verify=False)  # the merge computed the hashes it wrote
@@ -291,7 +290,8 @@ class Coordinator:
         self.publish(manifest)
         self._drop_old_deltas(manifest.version)
         self.state = "idle"
-        report = RoundReport(manifest, time.monotonic() - t0, len(accepted) + len(rejected), rejected, dict(ctx.seconds))
+        report = RoundReport(manifest, time.monotonic() - t0, len(accepted) + len(rejected), rejected,
+                             dict(state.seconds))
         self.on_event("merged", {"version": manifest.version, "included": len(accepted), "rejected": len(rejected),
                                  "metrics": {k: v.accuracy for k, v in metrics.items()}, "seconds": report.seconds,
                                  "lambda": manifest.params.get("lambda")})
@@ -428,9 +428,9 @@ class Coordinator:
 
 
 def merge_inputs(spec: NetworkSpec, dht, store: CheckpointStore, blobs: BlobStore, manifest: CheckpointManifest,
-                 *, progress: bool = False) -> tuple[Path, dict[str, list[tuple[Path, float]]]]:
-    """What a published merge was made from: its parent checkpoint (pulled if not local) and its included
-    deltas (fetched), grouped by skill, to recompute it or re-merge it another way."""
+                 *, progress: bool = False) -> tuple[Path, list[RoundDelta]]:
+    """What a published merge was made from: its parent checkpoint (pulled if not local) and its included deltas
+    (fetched, each with its weight and layers), for `merge.round_merge` to recompute it or re-merge it another way."""
     if manifest.parent_version is None:
         raise SkillswarmError(f"v{manifest.version} is the genesis checkpoint; it was not merged from anything")
     if not store.has(manifest.parent_version):
@@ -438,11 +438,9 @@ def merge_inputs(spec: NetworkSpec, dht, store: CheckpointStore, blobs: BlobStor
         if parent is None:
             raise SkillswarmError(f"parent v{manifest.parent_version} is neither local nor on the network")
         pull(dht, spec, parent, store, blobs, progress=progress)
-    groups: dict[str, list[tuple[Path, float]]] = {}
-    for ref in manifest.included:
-        path = dht.fetch(ref.blob, max_size=MAX_DELTA_BYTES, store=blobs, progress=progress)
-        groups.setdefault(ref.skill, []).append((path, ref.weight))
-    return store.path(manifest.parent_version), groups
+    deltas = included_deltas(manifest, lambda ref: dht.fetch(ref.blob, max_size=MAX_DELTA_BYTES, store=blobs,
+                                                             progress=progress))
+    return store.path(manifest.parent_version), deltas
 
 
 @dataclass(frozen=True)
@@ -457,21 +455,19 @@ class Verification:
 def verify_checkpoint(spec: NetworkSpec, dht, store: CheckpointStore, blobs: BlobStore, manifest: CheckpointManifest,
                       *, progress: bool = False, options: MergeOptions | None = None) -> Verification:
     """Recompute a published merge from its parent and included deltas, here, with this machine's threads and
-    chunk size (`options`): both the checkpoint's weights hash and the merged delta workers apply must match."""
-    from skillswarm.merge import merge_checkpoint
-
+    chunk size (`options`): both the checkpoint's weights hash and the merged delta workers apply must match. A
+    manifest of an older protocol verifies too (its deltas' layers are read from their figures)."""
     if manifest.parent_version is None:
         return Verification(spec.base_hash, None, manifest.weights_hash == spec.base_hash)
     if not manifest.included:  # a round that rejected everything keeps its parent's weights
         return Verification(manifest.weights_hash, None, manifest.weights_hash == manifest.parent_hash)
-    parent_dir, groups = merge_inputs(spec, dht, store, blobs, manifest, progress=progress)
+    parent_dir, deltas = merge_inputs(spec, dht, store, blobs, manifest, progress=progress)
     policy, seed = policy_from_manifest(manifest)
     staging = store.staging()
     try:
-        result = merge_checkpoint(parent_dir, groups, policy, staging / "ckpt", seed=seed, progress=progress,
-                                  first_layers=first_layers((d.skill, d.figures) for d in manifest.included),
-                                  delta_out=staging / "merged.safetensors", delta_codec=dense_codec_for(parent_dir),
-                                  base_hash=manifest.parent_hash, **(options or MergeOptions()).kwargs())
+        result = round_merge(parent_dir, deltas, policy, staging / "ckpt", seed=seed,
+                             delta_out=staging / "merged.safetensors", base_hash=manifest.parent_hash,
+                             progress=progress, **(options or MergeOptions()).kwargs())
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     assert result.delta is not None

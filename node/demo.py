@@ -39,16 +39,17 @@ from skillswarm.node.retention import (
     retention,
     versus_specialists,
 )
-from skillswarm.node.rl.config import EVAL_N, TrainConfig, default_of
+from skillswarm.node.rl.config import EVAL_N, TrainConfig, WorkerSettings, default_of, save_settings
 from skillswarm.node.store import CheckpointStore, network_dir, round_dir
 from skillswarm.protocol.atomic import atomic_write_text
 from skillswarm.protocol.errors import SkillswarmError
 from skillswarm.protocol.hashing import weights_hash
 from skillswarm.protocol.identity import Identity
-from skillswarm.protocol.netspec import save_spec
+from skillswarm.protocol.netspec import new_network, save_spec
 from skillswarm.protocol.records import (
     DEFAULT_LAMBDA_SEARCH,
     CheckpointManifest,
+    Codec,
     DeltaManifest,
     MergeMethod,
     MergePolicy,
@@ -60,6 +61,7 @@ from skillswarm.protocol.records import (
 log = logging.getLogger(__name__)
 
 NETWORK = "demo"
+DESCRIPTION = "skillswarm demo on 127.0.0.1"
 
 
 @dataclass
@@ -88,12 +90,21 @@ class DemoConfig:
     compare: list[str] = field(default_factory=lambda: ["task_arithmetic@1", "task_arithmetic@0.6"])  # re-merge the last round
     eval_n: int = EVAL_N
     retention_n: int = RETENTION_N  # held-out tasks per skill of the final re-measure
+    # The demo's own, not TrainConfig's 16: half the episodes per step, for one machine running a worker per skill.
     group_size: int = 8
-    batch: int = 8
-    lr: float | None = None
+    batch: int = default_of(TrainConfig, "batch")
+    lr: float = default_of(TrainConfig, "lr")
     retain: float = default_of(TrainConfig, "retain")  # the workers' retain loss (0: off)
+    # The demo's own, not the network default (int8): lossless deltas, so no codec loss enters its retention figures.
+    codec: Codec = "dense_fp32"
     timeout_s: float = 1800.0
     screen: ScreenPolicy = field(default_factory=ScreenPolicy.for_new_network)  # what the coordinator checks before merging a delta
+
+    def worker_settings(self) -> WorkerSettings:
+        """What every demo worker trains with (its --settings file): one torch thread each, as the workers share the
+        machine's cores."""
+        return WorkerSettings(group_size=self.group_size, batch=self.batch, lr=self.lr, threads=1, eval_n=self.eval_n,
+                              retain=self.retain, minutes_per_round=self.minutes_per_round or None)
 
 
 @dataclass
@@ -187,9 +198,9 @@ def _bootstrap_address(s: Swarm, timeout: float = 90.0) -> str:
 
 def make_spec(cfg: DemoConfig, base: Path, coordinator: Identity) -> NetworkSpec:
     """The demo network: the nano base, the skills, the coordinator, a round that waits for every skill."""
-    return coordinator.sign_record(NetworkSpec(
-        network=NETWORK, description="skillswarm demo on 127.0.0.1", base_model=str(base), base_hash=weights_hash(base),
-        skills=list(cfg.skills), coordinators=[coordinator.public_key_hex], codec="dense_fp32",
+    return coordinator.sign_record(new_network(
+        NETWORK, str(base), weights_hash(base), cfg.skills, [coordinator.public_key_hex],
+        description=DESCRIPTION, codec=cfg.codec,
         round=RoundPolicy(steps_per_round=cfg.steps_per_round, min_deltas=len(cfg.skills), max_wait_s=cfg.timeout_s,
                           lr_decay=cfg.lr_decay if cfg.lr_decay < 1 else UNSET),
         merge=MergePolicy(method=cfg.method, density=cfg.density, scale=cfg.scale,  # type: ignore[arg-type]
@@ -222,13 +233,12 @@ def run_demo(cfg: DemoConfig, base: Path, on_status: Callable[[DemoStatus], None
         maddr = _bootstrap_address(s)
         join = ["--network", str(spec_file), "--peers", maddr, "--host", "127.0.0.1"]
         s.start("coordinator", ["coordinator", "run", *join, "--key", str(coord_key), "--eval-n", str(cfg.eval_n)])
-        train = ["--group-size", str(cfg.group_size), "--threads", "1", "--eval-n", str(cfg.eval_n),
-                 "--rounds", str(cfg.rounds), "--no-progress", "--batch", str(cfg.batch), "--retain", str(cfg.retain)]
-        if cfg.minutes_per_round:
-            train += ["--minutes-per-round", str(cfg.minutes_per_round)]
+        settings = cfg.worker_settings()
         workers = [f"worker-{k}" for k in cfg.skills]
         for skill, name in zip(cfg.skills, workers):
-            s.start(name, ["node", "run", *join, "--skill", skill, *train])
+            settings_file = save_settings(settings, s.home(name) / "settings.toml")
+            s.start(name, ["node", "run", *join, "--skill", skill, "--settings", str(settings_file),
+                           "--rounds", str(cfg.rounds), "--no-progress"])
         status.phase = "training"
         notify(status)
         deadline = time.monotonic() + cfg.timeout_s
@@ -311,21 +321,19 @@ def compare_methods(obs, spec: NetworkSpec, final: CheckpointManifest, cfg: Demo
     (same deltas, same held-out tasks), so one run reports retention per merge method."""
     import shutil
 
-    from skillswarm.merge import merge_checkpoint
+    from skillswarm.merge import round_merge
     from skillswarm.node.coordinator import evaluate_all, merge_inputs
-    from skillswarm.node.rounds.context import first_layers
 
-    parent_dir, groups = merge_inputs(spec, obs.dht, obs.store, obs.blobs, final)
+    parent_dir, deltas = merge_inputs(spec, obs.dht, obs.store, obs.blobs, final)
     out: dict[str, dict] = {}
-    if not groups:  # the last round rejected every delta: its checkpoint is its parent, nothing to re-merge
+    if not deltas:  # the last round rejected every delta: its checkpoint is its parent, nothing to re-merge
         log.info("v%d merged no delta: no other method to compare", final.version)
         return out
     for text in cfg.compare:
         policy = parse_method(text, cfg)
         staging = obs.store.staging()
         try:
-            merge_checkpoint(parent_dir, groups, policy, staging / "ckpt", seed=final.parent_version or 0,
-                             first_layers=first_layers((d.skill, d.figures) for d in final.included))
+            round_merge(parent_dir, deltas, policy, staging / "ckpt", seed=final.parent_version or 0, progress=True)
             metrics = evaluate_all(staging / "ckpt", list(cfg.skills), cfg.eval_n)
         finally:
             shutil.rmtree(staging, ignore_errors=True)

@@ -9,8 +9,9 @@ from typing import Any
 
 import msgspec
 
+from skillswarm.protocol.errors import RecordError
 from skillswarm.protocol.identity import fingerprint
-from skillswarm.protocol.records import LAYERS_FIGURE, NetworkSpec
+from skillswarm.protocol.records import CheckpointManifest, DeltaRef, NetworkSpec, delta_layers
 
 
 def peers_view(dht: Any, spec: NetworkSpec) -> dict[str, Any]:
@@ -74,9 +75,9 @@ def deltas_view(dht: Any, spec: NetworkSpec, version: int | None = None) -> dict
                         if d.figures.get("on_credit", 0.0) > 0})
         # a saturated skill's repair: merged in its first layers only (node/rounds/usefulness.py)
         for d in (m.included if m else []):
-            if d.figures.get(LAYERS_FIGURE, 0.0) > 0:
-                reasons[d.blob] = ", ".join(filter(None, [f"a repair of its first {int(d.figures[LAYERS_FIGURE])} "
-                                                          "layer(s), merged there only", reasons.get(d.blob)]))
+            if layers := _layers(m, d):
+                reasons[d.blob] = ", ".join(filter(None, [f"a repair of its first {layers} layer(s), merged there only",
+                                                          reasons.get(d.blob)]))
         for d in dht.get_deltas(v):
             verdict = "pending" if m is None else "included" if d.blob in included else "rejected" if d.blob in reasons else "late"
             out.append({"base_version": v, "skill": d.skill, "author": fingerprint(d.author), "blob": d.blob,
@@ -84,6 +85,14 @@ def deltas_view(dht: Any, spec: NetworkSpec, version: int | None = None) -> dict
                         "accuracy_before": d.stats.accuracy_before, "accuracy_after": d.stats.accuracy_after,
                         "screening": verdict, "reason": reasons.get(d.blob)})
     return {"network": spec.network, "deltas": out}
+
+
+def _layers(manifest: CheckpointManifest, ref: DeltaRef) -> int | None:
+    """The layers `manifest` says `ref` was merged in (None: all, or a manifest that does not say: shown as no repair)."""
+    try:
+        return delta_layers(manifest, ref)
+    except RecordError:
+        return None
 
 
 def checkpoints_view(dht: Any, spec: NetworkSpec) -> dict[str, Any]:

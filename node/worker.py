@@ -14,9 +14,10 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Callable
 
 from skillswarm.node.pull import pull, share, wait_for_checkpoint
+from skillswarm.node.rl.config import TrainConfig, WorkerSettings
 from skillswarm.node.store import CheckpointStore, round_dir
 from skillswarm.protocol.atomic import atomic_write_text
 from skillswarm.protocol.codec import decode_record, encode_record
@@ -26,31 +27,25 @@ from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, NetworkSpec, SkillStats, TrainStats
 from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.skills.registry import check_network, skill_names
-from skillswarm.node.rl.engines.base import DEFAULT_ENGINE
-
-if TYPE_CHECKING:
-    from skillswarm.node.rl.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
 DELTA_TTL = 24 * 3600.0
 STATS_TTL = 300.0
-# What a round's training changes from TrainConfig's defaults: eval only before and after (the figures its delta
-# manifest carries), and a run checkpoint every 10 steps so a restarted worker loses little of its round.
-ROUND_SETTINGS: dict[str, Any] = {"eval_every": 0, "save_every": 10}
+# A round evaluates only before and after training: the two figures its delta manifest carries.
+ROUND_EVAL_EVERY = 0
+# A run checkpoint every 10 steps of a round, so a restarted worker loses little of it.
+ROUND_SAVE_EVERY = 10
 ROUND_RETRY_S = 5.0  # pause after a failed round; it doubles while rounds keep failing, up to RoundPolicy.max_backoff_s
 
 
 @dataclass
 class WorkerOptions:
-    """How this worker trains (defaults come from the network's round policy)."""
+    """This worker's shard, how it trains on it (the rest comes from the network's round policy), and whether it
+    shows progress bars."""
 
     skill: str
-    engine: str = DEFAULT_ENGINE
-    lora: bool = False
-    steps_per_round: int | None = None
-    minutes_per_round: float | None = None  # a round also ends after this many minutes of training
-    train: dict[str, Any] = field(default_factory=dict)  # extra TrainConfig fields (group_size, lr, threads, ...)
+    settings: WorkerSettings = field(default_factory=WorkerSettings)
     progress: bool = False
 
 
@@ -76,7 +71,7 @@ class Worker:
         """Announce this worker (role, skill, engine, hardware, version, state) until the DHT stops."""
         hardware = probe_hardware()
         self.dht.start_heartbeat(
-            lambda: self.dht.make_peer_record(role="worker", skills=[self.opt.skill], engine=self.opt.engine,
+            lambda: self.dht.make_peer_record(role="worker", skills=[self.opt.skill], engine=self.opt.settings.engine,
                                               hardware=hardware, checkpoint_version=self.version, state=self.state),
             interval=interval, ttl=3 * interval)
 
@@ -118,18 +113,18 @@ class Worker:
         return int.from_bytes(digest[:4], "big") >> 1
 
     def round_config(self, current: CheckpointManifest) -> TrainConfig:
-        """This worker's training settings for its round on `current`: the network's steps and learning-rate
-        schedule (RoundPolicy.lr_decay), this round's seed, the other skills to retain, the node's overrides."""
-        from skillswarm.node.rl.config import TrainConfig, default_of
-
+        """This worker's training settings for its round on `current`: the network's steps, codec and learning-rate
+        schedule (RoundPolicy.lr_decay), this round's seed, the other skills to retain, the node's own settings."""
+        s = self.opt.settings
         run_dir = round_dir(self.store.root, self.opt.skill, current.version)
-        settings = {**ROUND_SETTINGS, "seed": self.round_seed(current.version), "max_minutes": self.opt.minutes_per_round,
-                    "retain_skills": tuple(k for k in self.spec.skills if k in skill_names()), **self.opt.train}
-        settings["lr"] = settings.get("lr", default_of(TrainConfig, "lr")) * self.spec.round.lr_factor(current.version)
-        return TrainConfig(model_dir=self.store.path(current.version), skill=self.opt.skill,
-                           steps=self.opt.steps_per_round or self.spec.round.steps_per_round, out_dir=run_dir,
-                           lora=self.opt.lora, engine=self.opt.engine, resume=run_dir.exists(),
-                           codec="lora" if self.opt.lora else self.spec.codec, **settings)  # LoRA: the PEFT adapter itself
+        return TrainConfig(
+            model_dir=self.store.path(current.version), skill=self.opt.skill, out_dir=run_dir, resume=run_dir.exists(),
+            steps=s.steps_per_round or self.spec.round.steps_per_round, max_minutes=s.minutes_per_round,
+            seed=self.round_seed(current.version), eval_every=ROUND_EVAL_EVERY, save_every=ROUND_SAVE_EVERY,
+            retain_skills=tuple(k for k in self.spec.skills if k in skill_names()), retain=s.retain,
+            lr=s.lr * self.spec.round.lr_factor(current.version), engine=s.engine, lora=s.lora,
+            codec="lora" if s.lora else self.spec.codec,  # LoRA: the PEFT adapter itself
+            group_size=s.group_size, batch=s.batch, threads=s.threads, eval_n=s.eval_n, report_to=s.report_to)
 
     def train_round(self, current: CheckpointManifest, stop: threading.Event) -> DeltaManifest | None:
         """Train on the shard from `current`, encode the delta, publish it; None when stopped early."""
@@ -141,8 +136,8 @@ class Worker:
 
         def on_step(metrics: dict) -> None:
             self._put_stats(TrainStats(steps=int(metrics.get("step", 0)), samples=int(metrics.get("samples", 0)),
-                                       mean_reward=float(metrics.get("reward", 0.0)), engine=self.opt.engine,
-                                       lora=self.opt.lora))
+                                       mean_reward=float(metrics.get("reward", 0.0)), engine=self.opt.settings.engine,
+                                       lora=self.opt.settings.lora))
 
         result = train(cfg, progress=self.opt.progress, on_step=on_step, stop=stop)
         if stop.is_set() and result.stats.steps < steps:

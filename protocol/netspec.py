@@ -4,14 +4,25 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import msgspec
+from msgspec import UNSET
 
 from skillswarm.protocol.atomic import atomic_write_text
-from skillswarm.protocol.errors import SignatureError, SpecError
+from skillswarm.protocol.codec import decode_record, encode_record
+from skillswarm.protocol.errors import RecordError, SignatureError, SpecError
 from skillswarm.protocol.identity import verify_record
-from skillswarm.protocol.records import NetworkSpec
+from skillswarm.protocol.records import (
+    DEFAULT_CODEC,
+    DEFAULT_LAMBDA_SEARCH,
+    MergePolicy,
+    NetworkSpec,
+    RoundPolicy,
+    ScreenPolicy,
+    SkillVersion,
+    TrustPolicy,
+)
 from skillswarm.protocol.version import PROTOCOL_VERSION
 
 if sys.version_info >= (3, 11):
@@ -28,6 +39,31 @@ def _drop_none(value: Any) -> Any:
     if isinstance(value, list):
         return [_drop_none(v) for v in value]
     return value
+
+
+def new_network(name: str, base_model: str, base_hash: str, skills: Sequence[str], coordinators: Sequence[str], *,
+                description: str = "", base_revision: str | None = None, bootstrap: Sequence[str] = (),
+                codec: str = DEFAULT_CODEC, round: RoundPolicy | None = None, merge: MergePolicy | None = None,
+                trust: TrustPolicy | None = None, screen: ScreenPolicy | None = None,
+                skill_versions: Mapping[str, SkillVersion] | None = None) -> NetworkSpec:
+    """A new network's spec, unsigned and validated: what `net init` and the demo write. A policy left out is the
+    records' default, except that a new network searches DEFAULT_LAMBDA_SEARCH (unless `merge` names its own
+    lambdas) and screens with `ScreenPolicy.for_new_network`'s rules; invalid settings raise SpecError."""
+    merge = MergePolicy() if merge is None else merge
+    if merge.scale_search is UNSET:
+        merge = msgspec.structs.replace(merge, scale_search=list(DEFAULT_LAMBDA_SEARCH))
+    try:
+        spec = NetworkSpec(
+            network=name, description=description, base_model=base_model, base_revision=base_revision,
+            base_hash=base_hash, skills=list(skills), coordinators=list(coordinators), bootstrap=list(bootstrap),
+            codec=codec, round=RoundPolicy() if round is None else round, merge=merge,  # type: ignore[arg-type]
+            trust=TrustPolicy() if trust is None else trust,
+            screen=ScreenPolicy.for_new_network() if screen is None else screen,
+            skill_versions=dict(skill_versions) if skill_versions else UNSET,  # none: the file reads as before plugins
+        )
+        return decode_record(encode_record(spec), NetworkSpec)  # every field's type and bounds, as a reader checks them
+    except (ValueError, RecordError) as e:
+        raise SpecError(f"invalid network settings: {e}") from None
 
 
 def spec_to_toml(spec: NetworkSpec) -> str:

@@ -43,6 +43,8 @@ Device = Literal["cpu", "cuda", "mps", "other"]
 
 ROLES: tuple[str, ...] = Role.__args__  # type: ignore[attr-defined]
 ENGINES: tuple[str, ...] = Engine.__args__  # type: ignore[attr-defined]
+# The inference engine every setting defaults to (node.rl.engines re-exports it): hf runs on CPU or GPU with no extra.
+DEFAULT_ENGINE: Engine = "hf"
 CODECS: tuple[str, ...] = Codec.__args__  # type: ignore[attr-defined]
 # The codec workers publish unless a network says otherwise: int8 (one scale per row) lost 0.0 points on
 # every skill against dense bf16 at 1.9x fewer bytes in `bench/codecs.py`; top-k lost 3-35 (RL deltas
@@ -108,7 +110,7 @@ class TrainStats(_Part, kw_only=True):
     mean_staleness: Annotated[float, Meta(ge=0.0, le=1e6)] = 0.0
     dropped_groups: Count = 0  # env_error groups and stale groups
     filtered_groups: Count = 0  # zero-variance groups
-    engine: Engine = "hf"
+    engine: Engine = DEFAULT_ENGINE
     lora: bool = False
 
 
@@ -123,13 +125,15 @@ class FileEntry(_Part, kw_only=True, omit_defaults=True):
     tree: Sha256 | None = None
 
 
-# The one figure a merge reads: a delta with `layers` N (a saturated skill's repair, ScreenPolicy.repair_layers) was
-# merged in the model's first N decoder layers only, and `--verify` recomputes it so.
-LAYERS_FIGURE = "layers"
+# The protocol whose manifests say a delta's merge layers in `DeltaRef.layers`; a manifest of an earlier protocol says
+# them in the figure LEGACY_LAYERS_FIGURE (`delta_layers`, at the end of this file, reads both).
+LAYERS_SINCE_PROTOCOL = 2
+LEGACY_LAYERS_FIGURE = "layers"
 
 
 class DeltaRef(_Part, kw_only=True):
-    """A delta a merge used, the weight it got, and the screening figures that let it in (norm, gain, ...)."""
+    """A delta a merge used, the weight it got, the decoder layers it was merged in, and the screening figures that let
+    it in (norm, gain, ...)."""
 
     blob: Sha256
     author: PublicKeyHex
@@ -137,6 +141,10 @@ class DeltaRef(_Part, kw_only=True):
     weight: Real = 1.0
     norm: Annotated[float, Meta(ge=0.0, le=1e12)] = 0.0
     figures: Figures = {}
+    # N: merged in the model's first N decoder layers only (a saturated skill's repair, ScreenPolicy.repair_layers),
+    # and `--verify` recomputes it so. UNSET (every other delta, and every manifest before protocol 2) encodes as
+    # nothing: the delta was merged in every layer.
+    layers: Annotated[int, Meta(ge=1, le=1024)] | UnsetType = UNSET
 
 
 class Rejection(_Part, kw_only=True):
@@ -246,12 +254,14 @@ class TrustPolicy(_Part, kw_only=True):
             raise ValueError("an allowlist network needs at least one key in `trust.workers`")
 
 
+# Held-out tasks per skill per evaluation (screening, training, merges): at 128 real 3-5 point gains went unseen.
+EVAL_N = 300
+
+
 class ScreenPolicy(_Part, kw_only=True):
     """What a delta must show before it enters a merge (besides being well-formed and finite)."""
 
-    # Held-out tasks per skill per candidate (0: no eval check). 300, not 128: at 128 a real 3-5 point gain was
-    # often "not significant" and an honest delta lost (the demo lost sort's last three rounds that way).
-    eval_n: Annotated[int, Meta(ge=0, le=100_000)] = 300
+    eval_n: Annotated[int, Meta(ge=0, le=100_000)] = EVAL_N  # held-out tasks per skill per candidate (0: no eval check)
     confidence: Annotated[float, Meta(ge=0.5, lt=1.0)] = 0.9  # one-sided: it improves its own skill
     max_other_drop: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.15  # the most it may cost another skill (honest
     # single-round deltas of the nano demo cost calc up to 12 points, measured by bench/poison.py)
@@ -429,3 +439,23 @@ MAX_RECORD_BYTES = max(MAX_BYTES.values())
 def kind_of(record_type: type[Record]) -> str:
     """The tag a record type is encoded under."""
     return record_type.__struct_config__.tag  # type: ignore[return-value]
+
+
+def delta_layers(manifest: CheckpointManifest, ref: DeltaRef) -> int | None:
+    """The decoder layers `manifest` says its included delta `ref` was merged in (N: its first N; None: all): the
+    entry's `layers` field, or in a manifest of a protocol before LAYERS_SINCE_PROTOCOL, its `layers` figure. A figure
+    that is no layer count names no merge: RecordError."""
+    import math
+
+    from skillswarm.protocol.errors import RecordError
+
+    if ref.layers is not UNSET:
+        return ref.layers
+    n = ref.figures.get(LEGACY_LAYERS_FIGURE) if manifest.protocol < LAYERS_SINCE_PROTOCOL else None
+    if n is None:
+        return None
+    if not (math.isfinite(n) and n == int(n) and 1 <= n <= 1024):
+        raise RecordError(f"v{manifest.version} (protocol {manifest.protocol}): a {ref.skill} delta's "
+                          f"`{LEGACY_LAYERS_FIGURE}` figure is {n}, not a layer count (1-1024), so the manifest does "
+                          "not say how it was merged and cannot be recomputed")
+    return int(n)

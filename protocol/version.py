@@ -2,8 +2,9 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
-# Bumped whenever a record's schema or a DHT key layout changes incompatibly.
-PROTOCOL_VERSION = 1
+# Bumped whenever a record's schema or a DHT key layout changes incompatibly. 2: a checkpoint manifest's delta entry
+# says the decoder layers it was merged in as its own field, `layers` (protocol 1 carried it as a figure).
+PROTOCOL_VERSION = 2
 
 try:
     __version__ = version("skillswarm")

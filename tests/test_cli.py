@@ -24,8 +24,10 @@ def test_flags_are_drawn_without_a_value_and_options_with_their_type() -> None:
 
 
 def test_version() -> None:
+    from skillswarm.protocol.version import PROTOCOL_VERSION
+
     out = run_cli("--version").stdout
-    assert out.startswith("skillswarm ") and "protocol 1" in out
+    assert out.startswith("skillswarm ") and f"protocol {PROTOCOL_VERSION}" in out
 
 
 def test_id_json_is_stable_and_creates_the_key() -> None:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+import msgspec
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -23,7 +24,7 @@ from skillswarm.protocol.transport.dht import SwarmDHT
 from skillswarm.protocol.hashing import weights_hash
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.netspec import save_spec
-from skillswarm.protocol.records import DeltaManifest, NetworkSpec, RoundPolicy, ScreenPolicy
+from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, NetworkSpec, RoundPolicy, ScreenPolicy
 from skillswarm.protocol.transport.validation import StorePolicy
 from tests.conftest import run_cli
 from tests.net_helpers import wait_for
@@ -162,40 +163,84 @@ def test_a_round_whose_every_online_worker_was_rejected_ends_with_the_weights_un
     assert check.match and check.merged_delta is None
 
 
-def test_verify_recomputes_a_delta_merged_as_a_repair_of_its_first_layers(swarm: Swarm) -> None:
-    """A manifest whose delta carries the `layers` figure (a saturated skill's repair) is recomputed in those layers
-    only: the checkpoint merged that way verifies, and the same figure on the round that merged it whole does not."""
-    import msgspec
+def _repair_of_v1(swarm: Swarm) -> tuple[CheckpointManifest, object]:
+    """v1 as the round merged it (its one delta whole), and the merge of that delta in the model's first layer only
+    (a saturated skill's repair), made by the round's recipe."""
+    import dataclasses
 
-    from skillswarm.merge import merge_checkpoint
-    from skillswarm.merge.deltas import dense_codec_for
+    from skillswarm.merge import round_merge
     from skillswarm.merge.recipe_params import layer_index
-    from skillswarm.node.coordinator import merge_inputs, policy_from_manifest, verify_checkpoint
-    from skillswarm.protocol.records import LAYERS_FIGURE
+    from skillswarm.node.coordinator import merge_inputs, policy_from_manifest
 
     swarm.publish(swarm.worker(online=True), seed=6)
     swarm.thread.join(120)
     store = swarm.coordinator.store
     v1 = store.manifest(1)  # the delta merged whole (this network runs no usefulness test)
-    parent_dir, groups = merge_inputs(swarm.spec, swarm.dht, store, swarm.blobs, v1)
+    [ref] = v1.included
+    assert ref.layers is msgspec.UNSET and "layers" not in ref.figures and v1.merged_delta is not None
+    parent_dir, deltas = merge_inputs(swarm.spec, swarm.dht, store, swarm.blobs, v1)
+    assert [d.layers for d in deltas] == [None]
     policy, seed = policy_from_manifest(v1)
     out = swarm.tmp / "repair"
-    result = merge_checkpoint(parent_dir, groups, policy, out, seed=seed, delta_out=swarm.tmp / "repair.safetensors",
-                              delta_codec=dense_codec_for(parent_dir), base_hash=v1.parent_hash, progress=False,
-                              first_layers={"sort": 1})
+    result = round_merge(parent_dir, [dataclasses.replace(d, layers=1) for d in deltas], policy, out, seed=seed,
+                         delta_out=swarm.tmp / "repair.safetensors", base_hash=v1.parent_hash)
     merged, parent = load_file(str(out / "model.safetensors")), load_file(str(parent_dir / "model.safetensors"))
     changed = {k for k in parent if not torch.equal(merged[k], parent[k])}
     assert changed and all(layer_index(k) == 0 for k in changed)
+    return v1, result
 
+
+def test_verify_recomputes_a_delta_merged_as_a_repair_of_its_first_layers(swarm: Swarm) -> None:
+    """A manifest whose delta entry says `layers` (a saturated skill's repair) is recomputed in those layers only: the
+    checkpoint merged that way verifies, and the same entry on the round that merged it whole does not."""
+    from skillswarm.node.coordinator import verify_checkpoint
+
+    v1, result = _repair_of_v1(swarm)
+    store = swarm.coordinator.store
     [ref] = v1.included
-    as_repair = [msgspec.structs.replace(ref, figures={**ref.figures, LAYERS_FIGURE: 1.0})]
-    assert v1.merged_delta is not None
+    as_repair = [msgspec.structs.replace(ref, layers=1)]
     repaired = msgspec.structs.replace(v1, included=as_repair, weights_hash=result.weights_hash,
                                        merged_delta=msgspec.structs.replace(v1.merged_delta, sha256=result.delta.sha256))
     assert verify_checkpoint(swarm.spec, swarm.dht, store, swarm.blobs, repaired).match
     assert verify_checkpoint(swarm.spec, swarm.dht, store, swarm.blobs, v1).match
     assert not verify_checkpoint(swarm.spec, swarm.dht, store, swarm.blobs,
                                  msgspec.structs.replace(v1, included=as_repair)).match
+    # a `layers` figure means nothing in a manifest of this protocol: the merge it names is the whole delta's
+    as_figure = [msgspec.structs.replace(ref, figures={**ref.figures, "layers": 1.0})]
+    assert not verify_checkpoint(swarm.spec, swarm.dht, store, swarm.blobs,
+                                 msgspec.structs.replace(repaired, included=as_figure)).match
+
+
+def test_a_manifest_of_the_previous_protocol_still_verifies(swarm: Swarm) -> None:
+    """A checkpoint manifest as a protocol-1 coordinator signed it (a repair's layers in the entry's `layers` figure,
+    no `layers` field) decodes, passes its signature check, and `--verify` recomputes its merge in those layers; the
+    same manifest taken for protocol 2 names the merge of the whole delta, which is not what it published."""
+    from skillswarm.node.coordinator import verify_checkpoint
+    from skillswarm.protocol.codec import decode_record, encode_record
+    from skillswarm.protocol.identity import verify_record
+    from skillswarm.protocol.records import LAYERS_SINCE_PROTOCOL, LEGACY_LAYERS_FIGURE
+    from skillswarm.protocol.version import PROTOCOL_VERSION
+
+    v1, result = _repair_of_v1(swarm)
+    store = swarm.coordinator.store
+    [ref] = v1.included
+    old = LAYERS_SINCE_PROTOCOL - 1
+    assert old == 1 and PROTOCOL_VERSION >= LAYERS_SINCE_PROTOCOL
+    signed = swarm.coord_id.sign_record(msgspec.structs.replace(
+        v1, protocol=old, included=[msgspec.structs.replace(ref, figures={**ref.figures, LEGACY_LAYERS_FIGURE: 1.0})],
+        weights_hash=result.weights_hash, merged_delta=msgspec.structs.replace(v1.merged_delta,
+                                                                              sha256=result.delta.sha256)))
+    data = encode_record(signed)
+    # its bytes are protocol 1's: the entry holds no `layers` key of its own, only the figure
+    entry = msgspec.msgpack.decode(data)["included"][0]
+    assert "layers" not in entry and entry["figures"][LEGACY_LAYERS_FIGURE] == 1.0
+    got = decode_record(data, CheckpointManifest)
+    verify_record(got, network=NET, trusted=swarm.spec.coordinators)  # re-encoded, its signature still holds
+    assert got.protocol == old and got.included[0].layers is msgspec.UNSET
+    check = verify_checkpoint(swarm.spec, swarm.dht, store, swarm.blobs, got)
+    assert check.match and check.weights_hash == result.weights_hash and check.merged_delta == result.delta.sha256
+    assert not verify_checkpoint(swarm.spec, swarm.dht, store, swarm.blobs,
+                                 msgspec.structs.replace(got, protocol=PROTOCOL_VERSION)).match
 
 
 def _crafted(path: Path, shape: list) -> Path:
@@ -234,12 +279,12 @@ def test_a_crafted_header_is_rejected_with_its_reason_and_the_round_goes_on(swar
 def test_an_error_no_step_foresaw_fails_the_round_attempt_not_the_coordinator(swarm: Swarm) -> None:
     """Whatever a round step raises, the loop goes on: the attempt's deltas are listed as rejected with the error
     (not held against their keys) and, their worker having sent all it will, the round ends unchanged."""
-    from skillswarm.node.rounds import Candidate, RoundContext
+    from skillswarm.node.rounds import RoundInputs, RoundState, Verdict
 
     class Broken:
         name = "broken"
 
-        def __call__(self, ctx: RoundContext, candidates: list[Candidate]) -> list[Candidate]:
+        def __call__(self, inputs: RoundInputs, state: RoundState) -> Verdict:
             raise OverflowError("cannot convert float infinity to integer")
 
     swarm.coordinator.strategy.steps.insert(0, Broken())

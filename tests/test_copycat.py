@@ -15,7 +15,7 @@ import torch
 from skillswarm.merge.checkpoint import Checkpoint
 from skillswarm.merge.deltas import encode_delta
 from skillswarm.merge.pipeline import is_float
-from skillswarm.node.rounds import Candidate, RoundContext, RoundStrategy, default_steps
+from skillswarm.node.rounds import Candidate, RoundInputs, RoundState, RoundStrategy, Verdict, default_steps
 from skillswarm.node.rounds.inspection import Inspect
 from skillswarm.node.rounds.reputation import reputations
 from skillswarm.protocol.hashing import weights_hash
@@ -72,13 +72,12 @@ class Net:
         return CheckpointManifest(network=NET, version=self.version, weights_hash=self.hash, included=list(included),
                                   files=[FileEntry(path="config.json", sha256="1" * 64, size=2)], **parent)
 
-    def ctx(self, seen: list[tuple[Candidate, float]] = (), seed: int = 7) -> RoundContext:
-        """The round's context; `seen`: when the coordinator first saw each candidate (as `Coordinator` fills it)."""
+    def ctx(self, seen: list[tuple[Candidate, float]] = (), seed: int = 7) -> RoundInputs:
+        """The round's inputs; `seen`: when the coordinator first saw each candidate (as `Coordinator` fills it)."""
         parent = self.parent()
-        ctx = RoundContext(spec=self.spec, parent=parent, base_dir=self.base, blobs=self.blobs,
-                           history=[*self.history, parent], eval_seed=seed)
-        ctx.first_seen = {(c.author, c.manifest.blob): t for c, t in seen}
-        return ctx
+        return RoundInputs(spec=self.spec, parent=parent, base_dir=self.base, blobs=self.blobs,
+                           history=[*self.history, parent], eval_seed=seed,
+                           first_seen={(c.author, c.manifest.blob): t for c, t in seen})
 
     def delta(self, values: dict[str, torch.Tensor], key: Identity, skill: str = "sort",
               created: float | None = None) -> Candidate:
@@ -97,9 +96,14 @@ class Net:
         return Candidate(key.sign_record(manifest, created=created), path=path)
 
 
-def _rejected(ctx: RoundContext) -> dict[str, object]:
+def _inspect(inputs: RoundInputs, candidates: list[Candidate]) -> Verdict:
+    """The file checks' verdict on `candidates`, copies last."""
+    return Inspect()(inputs, RoundState(candidates))
+
+
+def _rejected(verdict: Verdict) -> dict[str, object]:
     """key -> its rejection."""
-    return {c.author: r for c, r in ctx.rejected}
+    return {c.author: r for c, r in verdict.rejected}
 
 
 def test_a_resigned_and_a_rescaled_copy_seen_later_are_out_and_the_first_seen_stays(nano_model: Path, shapes,
@@ -114,10 +118,10 @@ def test_a_resigned_and_a_rescaled_copy_seen_later_are_out_and_the_first_seen_st
     independent = net.delta(_direction(shapes, 2), other, skill="calc")
     assert resigned.manifest.blob == original.manifest.blob and rescaled.manifest.blob != original.manifest.blob
     seen = [(original, 1000.0), (independent, 1000.5), (resigned, 1003.0), (rescaled, 1009.0)]
-    ctx = net.ctx(seen)
-    out = Inspect()(ctx, [rescaled, resigned, independent, original])
+    verdict = _inspect(net.ctx(seen), [rescaled, resigned, independent, original])
+    out = verdict.passed
     assert sorted(c.author for c in out) == sorted([honest.public_key_hex, other.public_key_hex])  # two works pass
-    got = _rejected(ctx)
+    got = _rejected(verdict)
     assert set(got) == {resigner.public_key_hex, rescaler.public_key_hex}
     for key in (resigner, rescaler):
         r = got[key.public_key_hex]
@@ -128,14 +132,13 @@ def test_a_resigned_and_a_rescaled_copy_seen_later_are_out_and_the_first_seen_st
                                             weights_hash=net.hash, files=net.parent().files,
                                             included=[DeltaRef(blob=c.manifest.blob, author=c.author, skill=c.skill)
                                                       for c in out],
-                                            rejected=[r for _, r in ctx.rejected])], 20)
+                                            rejected=[r for _, r in verdict.rejected])], 20)
     assert table[honest.public_key_hex].score > 0.5 > table[resigner.public_key_hex].score
 
     # who was first is what this coordinator saw, not `created`: had the rescaled delta been seen first, it would stay
-    ctx = net.ctx([*seen[:3], (rescaled, 999.0)])
-    out = Inspect()(ctx, [rescaled, resigned, independent, original])
-    assert sorted(c.author for c in out) == sorted([rescaler.public_key_hex, other.public_key_hex])
-    assert {r.step for r in _rejected(ctx).values()} == {"copycat"}
+    verdict = _inspect(net.ctx([*seen[:3], (rescaled, 999.0)]), [rescaled, resigned, independent, original])
+    assert sorted(c.author for c in verdict.passed) == sorted([rescaler.public_key_hex, other.public_key_hex])
+    assert {r.step for r in _rejected(verdict).values()} == {"copycat"}
 
 
 def test_a_copy_of_a_delta_an_earlier_checkpoint_merged_is_out(nano_model: Path, shapes, tmp_path: Path) -> None:
@@ -149,19 +152,18 @@ def test_a_copy_of_a_delta_an_earlier_checkpoint_merged_is_out(nano_model: Path,
     resigned = net.resign(merged, resigner)
     rescaled = net.delta({n: v * 0.98 for n, v in _direction(shapes, 3).items()}, rescaler, skill="sort")
     new = net.delta(_direction(shapes, 4), fresh, skill="arith")
-    ctx = net.ctx()
-    out = Inspect()(ctx, [resigned, rescaled, new])
-    assert out == [new]
-    got = _rejected(ctx)
+    verdict = _inspect(net.ctx(), [resigned, rescaled, new])
+    assert [c.author for c in verdict.passed] == [new.author]
+    got = _rejected(verdict)
     for key in (resigner, rescaler):  # claimed for another skill, too: copies are looked for across skills
         r = got[key.public_key_hex]
         assert r.step == "copycat" and r.figures["harmful"] == 1.0 and "merged in v0" in r.reason, r
 
     # a merged delta no longer held here: its blob still gives a re-signed copy away
     net.blobs.remove(merged.manifest.blob)
-    ctx = net.ctx()
-    assert Inspect()(ctx, [net.resign(merged, resigner), new]) == [new]
-    assert [r.step for _, r in ctx.rejected] == ["copycat"]
+    verdict = _inspect(net.ctx(), [net.resign(merged, resigner), new])
+    assert [c.author for c in verdict.passed] == [new.author]
+    assert [r.step for _, r in verdict.rejected] == ["copycat"]
 
 
 def test_colluders_near_copies_count_as_one(nano_model: Path, shapes, tmp_path: Path) -> None:
@@ -180,28 +182,26 @@ def test_colluders_near_copies_count_as_one(nano_model: Path, shapes, tmp_path: 
     assert 0.65 < _cos(*pair) < 0.75
     honest = [net.delta(v, Identity.generate()) for v in pair]
     seen = [(colluders[1], 5.0), (honest[0], 5.5), (colluders[0], 6.0), (colluders[2], 7.0), (honest[1], 8.0)]
-    ctx = net.ctx(seen)
-    out = Inspect()(ctx, [*colluders, *honest])
-    assert sorted(c.author for c in out) == sorted([keys[1].public_key_hex, *(h.author for h in honest)])
-    got = _rejected(ctx)
+    verdict = _inspect(net.ctx(seen), [*colluders, *honest])
+    assert sorted(c.author for c in verdict.passed) == sorted([keys[1].public_key_hex, *(h.author for h in honest)])
+    got = _rejected(verdict)
     assert set(got) == {keys[0].public_key_hex, keys[2].public_key_hex}
     assert all(r.step == "copycat" and r.figures["harmful"] == 1.0 for r in got.values())
 
     # seen in the same poll, which is the copy is a draw on the round's seed: one stays, and no key is blamed
     winners = set()
     for seed in range(12):
-        ctx = net.ctx([(c, 5.0) for c in colluders], seed=seed)
-        out = Inspect()(ctx, list(colluders))
-        assert len(out) == 1 and len(ctx.rejected) == 2
-        assert all(r.step == "copycat" and r.figures["harmful"] == 0.0 for _, r in ctx.rejected)
-        winners.add(out[0].author)
+        verdict = _inspect(net.ctx([(c, 5.0) for c in colluders], seed=seed), list(colluders))
+        assert len(verdict.passed) == 1 and len(verdict.rejected) == 2
+        assert all(r.step == "copycat" and r.figures["harmful"] == 0.0 for _, r in verdict.rejected)
+        winners.add(verdict.passed[0].author)
     assert len(winners) > 1
     # ... unless one key has a record: the better reputation goes first
     record = CheckpointManifest(network=NET, version=0, weights_hash=net.hash, files=net.parent().files,
                                 included=[DeltaRef(blob="e" * 64, author=keys[2].public_key_hex, skill="calc")])
     net.history = [record]
     for seed in range(4):
-        assert [c.author for c in Inspect()(net.ctx(seed=seed), list(colluders))] == [keys[2].public_key_hex]
+        assert [c.author for c in _inspect(net.ctx(seed=seed), list(colluders)).passed] == [keys[2].public_key_hex]
 
 
 def test_the_default_round_rejects_copies_at_the_step_copycat(nano_model: Path, shapes, tmp_path: Path) -> None:
@@ -217,11 +217,10 @@ def test_the_default_round_rejects_copies_at_the_step_copycat(nano_model: Path, 
               net.delta({n: v * 0.98 for n, v in work.items()}, sybils[1], created=0.0),
               net.delta(_mix(work, _direction(shapes, 9), 1.0, 0.05), sybils[2], skill="calc", created=0.0)]
     seen = [(original, 10.0), (independent, 11.0), *((c, 12.0 + i) for i, c in enumerate(copies))]
-    ctx = net.ctx(seen)
     when = {c.author: t for c, t in seen}
-    out = RoundStrategy().screen(ctx, [*copies, independent, original])
-    assert sorted(c.author for c in out) == sorted([honest.public_key_hex, other.public_key_hex])
-    rejected = sorted(ctx.rejected, key=lambda cr: when[cr[0].author])
+    state = RoundStrategy().screen(net.ctx(seen), [*copies, independent, original])
+    assert sorted(c.author for c in state.candidates) == sorted([honest.public_key_hex, other.public_key_hex])
+    rejected = sorted(state.rejected, key=lambda cr: when[cr[0].author])
     assert [(r.author, r.step, r.figures["harmful"]) for _, r in rejected] == [(k.public_key_hex, "copycat", 1.0)
                                                                                for k in sybils]
     assert [s.name for s in default_steps()][:4] == ["admission", "caps", "fetch", "inspect"]

@@ -18,9 +18,11 @@ from skillswarm.protocol.records import (
     TrainStats, TrustPolicy,
 )
 from skillswarm.protocol.transport.validation import MAX_TTL, OwnerSignatureValidator, StorePolicy
+from skillswarm.protocol.version import PROTOCOL_VERSION
 from tests.net_helpers import signed_dht_record
 
 NET = "demo"
+V = f"skillswarm/v{PROTOCOL_VERSION}"  # this protocol's key prefix
 alice, bob = Identity.generate(), Identity.generate()
 
 
@@ -49,12 +51,15 @@ def test_every_dht_record_kind_has_a_namespaced_location() -> None:
                                             size=1, codec="dense_bf16", norm=1.0, num_tensors=1))
     provider = alice.sign_record(ProviderRecord(network=NET, peer_id=alice.peer_id, blob="d" * 64, size=5))
     me = alice.public_key_hex
-    assert keys.locations(_peer(alice)) == [("skillswarm/v1/demo/peers", me)]
-    assert keys.locations(delta) == [("skillswarm/v1/demo/deltas/4", f"{me}:rev")]
-    assert keys.locations(_checkpoint(alice)) == [("skillswarm/v1/demo/checkpoints/3", me),
-                                                  ("skillswarm/v1/demo/checkpoints/latest", me)]
-    assert keys.locations(stats) == [("skillswarm/v1/demo/skills/arith", me)]
-    assert keys.locations(provider) == [(f"skillswarm/v1/demo/providers/{'d' * 64}", me)]
+    assert keys.locations(_peer(alice)) == [(f"{V}/demo/peers", me)]
+    assert keys.locations(delta) == [(f"{V}/demo/deltas/4", f"{me}:rev")]
+    assert keys.locations(_checkpoint(alice)) == [(f"{V}/demo/checkpoints/3", me),
+                                                  (f"{V}/demo/checkpoints/latest", me)]
+    assert keys.locations(stats) == [(f"{V}/demo/skills/arith", me)]
+    assert keys.locations(provider) == [(f"{V}/demo/providers/{'d' * 64}", me)]
+    # a record keeps the protocol it was written under: an older one lives under that protocol's keys
+    older = msgspec.structs.replace(_checkpoint(alice), protocol=PROTOCOL_VERSION - 1)
+    assert keys.locations(older)[0] == (f"skillswarm/v{PROTOCOL_VERSION - 1}/demo/checkpoints/3", me)
     assert keys.subkey_owner(f"{me}:rev") == me and keys.subkey_owner(me) == me
     for bad in (None, b"x", "x" * 64, f"{me}:Bad Tag", me.upper()):
         assert keys.subkey_owner(bad) is None
@@ -88,15 +93,16 @@ def test_a_replayed_value_with_a_later_expiration_is_rejected() -> None:
 def test_records_are_bound_to_the_location_their_content_names() -> None:
     peer = _peer(alice)
     me = alice.public_key_hex
-    for key in ["skillswarm/v1/other/peers", "skillswarm/v2/demo/peers", "skillswarm/v1/demo/deltas/0", "anything"]:
+    other = f"skillswarm/v{PROTOCOL_VERSION + 1}"
+    for key in [f"{V}/other/peers", f"{other}/demo/peers", f"{V}/demo/deltas/0", "anything"]:
         assert not validator.validate(signed_dht_record(alice, encode_record(peer), key, me))
     # a checkpoint of version 3 under version 4's key
-    assert not validator.validate(signed_dht_record(alice, encode_record(_checkpoint(alice)), "skillswarm/v1/demo/checkpoints/4", me))
+    assert not validator.validate(signed_dht_record(alice, encode_record(_checkpoint(alice)), f"{V}/demo/checkpoints/4", me))
     # a delta under the right key with another skill's subkey
     delta = alice.sign_record(DeltaManifest(network=NET, skill="rev", base_version=4, base_hash="a" * 64, blob="b" * 64,
                                             size=1, codec="dense_bf16", norm=1.0, num_tensors=1))
     assert validator.validate(_stored(delta))
-    assert not validator.validate(signed_dht_record(alice, encode_record(delta), "skillswarm/v1/demo/deltas/4", f"{me}:arith"))
+    assert not validator.validate(signed_dht_record(alice, encode_record(delta), f"{V}/demo/deltas/4", f"{me}:arith"))
 
 
 def test_a_peer_record_must_name_its_authors_peer_id() -> None:

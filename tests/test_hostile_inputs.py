@@ -390,7 +390,8 @@ def test_an_error_while_the_user_stops_the_worker_still_raises(tmp_path: Path, m
 def test_a_rejection_reason_quoting_a_hostile_name_stays_one_encodable_line(tmp_path: Path) -> None:
     # a reason may quote what a hostile file or peer wrote: a lone surrogate would make the manifest unencodable, a
     # newline would break the one-line reason, and the coordinator could then publish no round at all
-    from skillswarm.node.rounds import Candidate, RoundContext
+    from skillswarm.node.rounds import Candidate, RoundInputs
+    from skillswarm.node.rounds.state import reject
     from skillswarm.protocol.codec import encode_record
     from skillswarm.protocol.identity import Identity
     from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, FileEntry, NetworkSpec
@@ -399,13 +400,12 @@ def test_a_rejection_reason_quoting_a_hostile_name_stays_one_encodable_line(tmp_
     h = "ab" * 32
     parent = CheckpointManifest(network="hostile", version=0, weights_hash=h,
                                 files=[FileEntry(path="config.json", sha256="1" * 64, size=2)])
-    ctx = RoundContext(spec=NetworkSpec(network="hostile", base_model="nano", base_hash=h, skills=["sort"]),
-                       parent=parent, base_dir=tmp_path, blobs=BlobStore(tmp_path / "blobs"), history=[parent])
+    inputs = RoundInputs(spec=NetworkSpec(network="hostile", base_model="nano", base_hash=h, skills=["sort"]),
+                         parent=parent, base_dir=tmp_path, blobs=BlobStore(tmp_path / "blobs"), history=[parent])
     cand = Candidate(Identity.generate().sign_record(DeltaManifest(
         network="hostile", skill="sort", base_version=0, base_hash=h, blob="c" * 64, size=1, codec="dense_fp32",
         norm=1.0, num_tensors=1)))
-    ctx.reject(cand, "inspect", "tensor `evil\ud800\nname` " + "x" * 400)
-    [(_, r)] = ctx.rejected
+    _, r = reject(inputs, cand, "inspect", "tensor `evil\ud800\nname` " + "x" * 400)
     assert "\n" not in r.reason and len(r.reason) <= 256 and "\\ud800" in r.reason
     signer = Identity.generate()
     encode_record(signer.sign_record(CheckpointManifest(

@@ -13,6 +13,7 @@ from skillswarm.protocol.hashing import weights_hash
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.netspec import load_spec, parse_spec, save_spec, spec_to_toml
 from skillswarm.protocol.records import DEFAULT_LAMBDA_SEARCH, DEFAULT_REPAIR_LAYERS, DEFAULT_SATURATED_AT, MIN_LR_FACTOR
+from skillswarm.protocol.version import PROTOCOL_VERSION
 from tests.conftest import run_cli
 
 
@@ -98,7 +99,7 @@ def test_loading_reports_each_problem(tmp_path: Path, tiny_model_dir: Path) -> N
     with pytest.raises(SpecError, match="unknown field"):
         parse_spec(unsigned + "\nmystery = 1\n")
     with pytest.raises(SpecError, match="protocol version 99"):
-        parse_spec(unsigned.replace("protocol = 1", "protocol = 99"))
+        parse_spec(unsigned.replace(f"protocol = {PROTOCOL_VERSION}\n", "protocol = 99\n"))
 
 
 def test_spec_round_trips_through_toml(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -123,7 +124,7 @@ def test_a_spec_signed_with_ints_in_float_fields_verifies_after_toml(tmp_path: P
 
 
 # Signed by the code before `skill_versions` existed (key: the Ed25519 seed bytes 0..31).
-OLD_SIGNED = dict(network="old", base_model="m", base_hash="ab" * 32, skills=["arith", "sort"],
+OLD_SIGNED = dict(protocol=1, network="old", base_model="m", base_hash="ab" * 32, skills=["arith", "sort"],
                   author="03a107bff3ce10be1d70dd18e74bc09967e4d6309ba50d5f1ddc8664125531b8", created=1796112376.7853887,
                   signature="oWKq488kPvRGAnZva7FHo7MODQU5qxL0BuqZyM0yCV95SwvHxpKbcA6qtqVCL7ak/fEeOLq3XotmN/2BVWK/Aw==")
 
@@ -167,7 +168,7 @@ def test_plugin_versions_are_signed_and_old_files_still_verify(tmp_path: Path) -
 def test_a_worker_trains_each_checkpoint_at_the_networks_learning_rate_schedule(tmp_path: Path) -> None:
     import msgspec
 
-    from skillswarm.node.rl.config import TrainConfig, default_of
+    from skillswarm.node.rl.config import TrainConfig, WorkerSettings, default_of
     from skillswarm.node.store import CheckpointStore
     from skillswarm.node.worker import Worker, WorkerOptions
     from skillswarm.protocol.records import CheckpointManifest, NetworkSpec, RoundPolicy
@@ -177,9 +178,10 @@ def test_a_worker_trains_each_checkpoint_at_the_networks_learning_rate_schedule(
     spec = NetworkSpec(network="n", base_model="m", base_hash="ab" * 32, skills=["arith", "sort"],
                        round=RoundPolicy(lr_decay=0.5))
 
-    def config(spec: NetworkSpec, version: int, **train: float) -> TrainConfig:
+    def config(spec: NetworkSpec, version: int, lr: float | None = None) -> TrainConfig:
+        settings = WorkerSettings() if lr is None else WorkerSettings(lr=lr)
         worker = Worker(spec, key, None, CheckpointStore(tmp_path / "store"), BlobStore(tmp_path / "blobs"),
-                        WorkerOptions(skill="arith", train=dict(train)))
+                        WorkerOptions(skill="arith", settings=settings))
         parent = {"parent_version": version - 1, "parent_hash": "ef" * 32} if version else {}
         return worker.round_config(CheckpointManifest(network="n", version=version, weights_hash="cd" * 32, files=[],
                                                       **parent))
@@ -191,3 +193,22 @@ def test_a_worker_trains_each_checkpoint_at_the_networks_learning_rate_schedule(
     assert config(spec, 1).retain_skills == ("arith", "sort") and config(spec, 1).steps == spec.round.steps_per_round
     constant = msgspec.structs.replace(spec, round=RoundPolicy())  # a file without lr_decay: the rate never changes
     assert config(constant, 7).lr == lr
+
+
+def test_net_init_and_the_demo_write_the_same_network_file(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Both go through `new_network`: given the demo's settings, `net init` writes the demo's file."""
+    from skillswarm.node.demo import DESCRIPTION, NETWORK, DemoConfig, make_spec
+
+    key = tmp_path / "coordinator.key"
+    cfg = DemoConfig(out=tmp_path / "demo", skills=["arith", "sort"])
+    demo = make_spec(cfg, tiny_model_dir, Identity.load_or_create(key))
+    run_cli("net", "init", "--name", NETWORK, "--model", str(tiny_model_dir), "--skill", "arith", "--skill", "sort",
+            "--description", DESCRIPTION, "--codec", cfg.codec, "--steps-per-round", str(cfg.steps_per_round),
+            "--min-deltas", "2", "--max-wait", str(cfg.timeout_s), "--key", str(key), "--out", str(tmp_path / "n.toml"))
+    cli = load_spec(tmp_path / "n.toml")
+    assert cli.author == demo.author and cli.screen == cfg.screen and cli.merge.scales() == [1.0, *DEFAULT_LAMBDA_SEARCH]
+
+    def unsigned(spec: object) -> str:
+        return spec_to_toml(msgspec.structs.replace(spec, created=0.0, signature=b""))  # type: ignore[type-var]
+
+    assert unsigned(cli) == unsigned(demo)

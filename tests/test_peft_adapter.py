@@ -153,7 +153,7 @@ def test_merge_delta_lora_writes_a_peft_adapter(runs: dict[str, Any], nano_model
 
 @pytest.mark.slow  # trains
 def test_a_network_of_another_codec_admits_adapters(runs: dict[str, Any], nano_model: Path, tmp_path: Path) -> None:
-    from skillswarm.node.rounds import Candidate, RoundContext
+    from skillswarm.node.rounds import Candidate, RoundInputs, RoundState
     from skillswarm.node.rounds.inspection import Inspect
     from skillswarm.protocol.identity import Identity
     from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, FileEntry, NetworkSpec, ScreenPolicy
@@ -164,13 +164,15 @@ def test_a_network_of_another_codec_admits_adapters(runs: dict[str, Any], nano_m
                        codec="dense_bf16", screen=ScreenPolicy(eval_n=0))
     parent = CheckpointManifest(network="peft", version=0, weights_hash=h,
                                 files=[FileEntry(path="config.json", sha256="1" * 64, size=2)])
-    ctx = RoundContext(spec=spec, parent=parent, base_dir=nano_model, blobs=BlobStore(tmp_path / "blobs"), history=[parent])
+    inputs = RoundInputs(spec=spec, parent=parent, base_dir=nano_model, blobs=BlobStore(tmp_path / "blobs"),
+                         history=[parent])
     candidates = [Candidate(key.sign_record(DeltaManifest(
         network="peft", skill=skill, base_version=0, base_hash=h, blob=r.delta.sha256, size=r.delta.size, codec="lora",
         codec_params=r.delta.params, norm=r.delta.norm, num_tensors=r.delta.num_tensors)), path=r.delta.path)
         for skill, r in runs.items()]
-    kept = Inspect()(ctx, candidates)
-    assert len(kept) == 2 and not ctx.rejected  # the file's norm is the claimed one, to the bit
+    verdict = Inspect()(inputs, RoundState(candidates))
+    kept = verdict.passed
+    assert len(kept) == 2 and not verdict.rejected  # the file's norm is the claimed one, to the bit
     assert all(c.norm == c.manifest.norm for c in kept)
 
 

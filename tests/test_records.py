@@ -132,7 +132,7 @@ def test_newer_protocol_is_refused_with_a_clear_message() -> None:
     d = _plain(_valid_peer())
     d["protocol"] = PROTOCOL_VERSION + 1
     d["some_future_field"] = 1
-    with pytest.raises(RecordError, match=r"protocol version 2 .* upgrade skillswarm"):
+    with pytest.raises(RecordError, match=rf"protocol version {PROTOCOL_VERSION + 1} .* upgrade skillswarm"):
         decode_record(raw.encode(d))
 
 

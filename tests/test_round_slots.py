@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from skillswarm.merge.deltas import encode_delta
-from skillswarm.node.rounds import Candidate, RoundContext
+from skillswarm.node.rounds import Candidate, RoundInputs, RoundState
 from skillswarm.node.rounds.admission import Caps
 from skillswarm.node.rounds.fetching import Fetch
 from skillswarm.node.rounds.reputation import Reputation, reputations
@@ -46,9 +46,14 @@ def _checkpoint(base: Path, version: int, included=(), rejected=()) -> Checkpoin
                               rejected=list(rejected), **parent)
 
 
-def _ctx(base: Path, tmp: Path, spec: NetworkSpec, seed: int, history=(), dht=None) -> RoundContext:
+def _caps(inputs: RoundInputs, candidates: list[Candidate]) -> tuple[Candidate, ...]:
+    """What the caps step lets through of `candidates`."""
+    return Caps()(inputs, RoundState(candidates)).passed
+
+
+def _ctx(base: Path, tmp: Path, spec: NetworkSpec, seed: int, history=(), dht=None) -> RoundInputs:
     parent = _checkpoint(base, len(history))
-    return RoundContext(spec=spec, parent=parent, base_dir=base, blobs=BlobStore(tmp / "blobs"),
+    return RoundInputs(spec=spec, parent=parent, base_dir=base, blobs=BlobStore(tmp / "blobs"),
                         history=[*history, parent], eval_seed=seed, dht=dht)
 
 
@@ -88,12 +93,13 @@ def test_a_created_time_buys_no_slot_the_round_draws_the_order_of_fresh_keys(bas
     rounds = 300
     for seed in range(rounds):
         ctx = _ctx(base, tmp_path, spec, seed)
-        kept = Caps()(ctx, [*deltas, mine])
-        assert len(kept) == SLOTS and ctx.omitted == SYBILS + 1 - SLOTS
+        verdict = Caps()(ctx, RoundState([*deltas, mine]))
+        kept = verdict.passed
+        assert len(kept) == SLOTS and verdict.omitted == SYBILS + 1 - SLOTS
         # what the sybils (or the honest key) write into `created` moves no key: the same keys take the slots
         if seed < 40:
             for variant in ([*late, mine], [*deltas, mine_early], [*late, mine_early]):
-                again = Caps()(_ctx(base, tmp_path, spec, seed), variant)
+                again = _caps(_ctx(base, tmp_path, spec, seed), variant)
                 assert {c.author for c in again} == {c.author for c in kept}, seed
         got += honest.public_key_hex in {c.author for c in kept}
     # the honest fresh key is one of 33 equal keys: about 8/33 of rounds give it a slot (the sybils' created=0 took
@@ -113,12 +119,12 @@ def test_a_key_with_a_record_always_gets_a_slot_and_equal_records_draw(base: Pat
     for slots in (1, 2, SLOTS):
         for seed in range(40):
             ctx = _ctx(base, tmp_path, _spec(base, slots), seed, history=history)
-            kept = {c.author for c in Caps()(ctx, [*deltas, mine, theirs])}
+            kept = {c.author for c in _caps(ctx, [*deltas, mine, theirs])}
             if slots == 1:
                 first[kept.pop()] += 1
-                again = Caps()(_ctx(base, tmp_path, _spec(base, slots), seed, history=history),
-                               [*deltas, mine, _resigned(theirs, rival, created=4e9)])
-                assert {c.author for c in again} == {c.author for c in Caps()(ctx, [*deltas, mine, theirs])}
+                again = _caps(_ctx(base, tmp_path, _spec(base, slots), seed, history=history),
+                              [*deltas, mine, _resigned(theirs, rival, created=4e9)])
+                assert {c.author for c in again} == {c.author for c in _caps(ctx, [*deltas, mine, theirs])}
             else:
                 assert {honest.public_key_hex, rival.public_key_hex} <= kept, (slots, seed)
     assert min(first.values()) >= 8, first  # each of the two takes the single slot in about half the rounds
@@ -142,9 +148,10 @@ def test_a_key_whose_blob_never_arrived_takes_the_slots_last(base: Path, tmp_pat
     dht = NoProvider()
     first = _ctx(base, tmp_path, spec, 1, dht=dht)
     announced = [Candidate(d.manifest) for d in deltas]  # as the coordinator collects them: no file yet
-    assert Fetch()(first, Caps()(first, announced)) == []
+    fetched = Fetch()(first, RoundState(_caps(first, announced)))
+    assert fetched.passed == ()
     assert len(dht.asked[0]) == SYBILS
-    rejected = [r for _, r in first.rejected]
+    rejected = [r.rejection for r in fetched.rejected]
     assert len(rejected) == SYBILS and all(r.step == "fetch" and r.figures["harmful"] == 0.0 for r in rejected)
     history = [_checkpoint(base, 0, rejected=rejected)]
 
@@ -153,9 +160,9 @@ def test_a_key_whose_blob_never_arrived_takes_the_slots_last(base: Path, tmp_pat
     expected = {k.public_key_hex for k in [*newcomers, honest]}
     for seed in range(30):
         ctx = _ctx(base, tmp_path, _spec(base, slots=len(fresh)), seed, history=history)
-        kept = Caps()(ctx, [*deltas, *fresh])
+        kept = _caps(ctx, [*deltas, *fresh])
         assert {c.author for c in kept} == expected, seed
-        more = Caps()(_ctx(base, tmp_path, _spec(base, slots=len(fresh) + 3), seed, history=history), [*deltas, *fresh])
+        more = _caps(_ctx(base, tmp_path, _spec(base, slots=len(fresh) + 3), seed, history=history), [*deltas, *fresh])
         assert expected < {c.author for c in more}  # the slots the others leave still go to them
 
     from skillswarm.node.rounds.admission import slot_order
@@ -212,8 +219,10 @@ def test_a_blob_two_manifests_name_is_fetched_once(base: Path, tmp_path: Path) -
     ctx = _ctx(base, tmp_path, _spec(base), 1, dht=dht)
     copy = Candidate(copier.sign_record(original.manifest))
     lying = Candidate(liar.sign_record(msgspec.structs.replace(original.manifest, size=original.manifest.size + 7)))
-    out = Fetch()(ctx, [Candidate(original.manifest), copy, lying])
+    verdict = Fetch()(ctx, RoundState([Candidate(original.manifest), copy, lying]))
+    out = verdict.passed
     assert len(dht.asked) == 1 and dht.asked[0][0] == original.manifest.blob and dht.asked[0][1] is None
     assert [c.author for c in out] == [honest.public_key_hex, copier.public_key_hex]
-    [(c, r)] = ctx.rejected
+    assert all(c.path == stored for c in out) and copy.path is None  # the fetched file is in what the step returns
+    [(c, r)] = verdict.rejected
     assert c is lying and r.step == "fetch" and r.figures["harmful"] == 1.0 and "no_show" not in r.figures

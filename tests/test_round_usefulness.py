@@ -5,6 +5,7 @@ after the worse-off skill's deltas held in reserve for saturation were judged an
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from skillswarm.merge.deltas import DeltaInfo, encode_delta, read_delta
-from skillswarm.node.rounds import Candidate, RoundContext, RoundStrategy
+from skillswarm.node.rounds import Candidate, RoundInputs, RoundState, RoundStrategy
 from skillswarm.node.rounds.usefulness import Usefulness
 from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.protocol.hashing import sha256_file, weights_hash
@@ -49,11 +50,11 @@ def _spec(nano_model: Path, skills: list[str] = SKILLS, **changes: Any) -> Netwo
                        codec="dense_fp32", **changes)
 
 
-def _ctx(nano_model: Path, tmp_path: Path, spec: NetworkSpec) -> RoundContext:
+def _ctx(nano_model: Path, tmp_path: Path, spec: NetworkSpec, history=()) -> RoundInputs:
     parent = CheckpointManifest(network="use", version=0, weights_hash=spec.base_hash,
                                 files=[FileEntry(path="config.json", sha256="1" * 64, size=2)])
-    return RoundContext(spec=spec, parent=parent, base_dir=nano_model, blobs=BlobStore(tmp_path / "blobs"),
-                        history=[parent], eval_seed=20261201)
+    return RoundInputs(spec=spec, parent=parent, base_dir=nano_model, blobs=BlobStore(tmp_path / "blobs"),
+                       history=[parent, *history], eval_seed=20261201)
 
 
 def test_only_the_delta_that_helps_its_skill_without_hurting_others_gets_in(nano_model: Path, honest: DeltaInfo,
@@ -76,12 +77,15 @@ def test_only_the_delta_that_helps_its_skill_without_hurting_others_gets_in(nano
     cands = {name: _candidate(info.path, skill, base_hash) for name, info, skill in [
         ("honest", honest, "reverse"), ("forgetting", forgetting, "sort"), ("against", against, "reverse"),
         ("flipped", flipped, "reverse"), ("random", random, "reverse")]}
-    accepted = Usefulness()(ctx, list(cands.values()))
+    verdict = Usefulness()(ctx, RoundState(list(cands.values())))
 
-    assert accepted == [cands["honest"]], {c.manifest.blob[:8]: r.reason for c, r in ctx.rejected}
-    h = cands["honest"].figures
+    assert [c.key for c in verdict.passed] == [cands["honest"].key], \
+        {c.manifest.blob[:8]: r.reason for c, r in verdict.rejected}
+    h = verdict.passed[0].figures
     assert h["gain"] > 0.05 and h["p_better"] <= 0.1 and h["eval_s"] > 0
-    reasons = {c.manifest.blob: r for c, r in ctx.rejected}
+    assert h["gain"] == verdict.evidence.measured[cands["honest"].manifest.blob]["reverse"].gain
+    assert set(verdict.evidence.parent_scores) == set(SKILLS) and not verdict.evidence.reserve
+    reasons = {c.manifest.blob: r for c, r in verdict.rejected}
     for name in ("against", "flipped", "random"):
         r = reasons[cands[name].manifest.blob]
         assert r.step == "usefulness" and "does not improve reverse" in r.reason, (name, r.reason)
@@ -111,18 +115,20 @@ def test_the_guard_takes_out_of_the_merge_a_delta_whose_cost_the_tolerance_let_t
     ctx = _ctx(nano_model, tmp_path, spec)
     good, bad = _candidate(honest.path, "reverse", base_hash), _candidate(forgetting.path, "sort", base_hash)
     strategy = RoundStrategy(steps=[Usefulness()])
-    assert strategy.screen(ctx, [good, bad]) == [good, bad], [r.reason for _, r in ctx.rejected]
-    assert ctx.measured[bad.manifest.blob]["reverse"].gain < -0.15  # tolerated: under 50 points
+    state = strategy.screen(ctx, [good, bad])
+    assert [c.key for c in state.candidates] == [good.key, bad.key], [r.reason for _, r in state.rejected]
+    assert state.measured[bad.manifest.blob]["reverse"].gain < -0.15  # tolerated: under 50 points
 
-    result, kept = strategy.merge_guarded(ctx, [good, bad], tmp_path / "merged", tmp_path / "merged.safetensors")
-    assert kept == [good] and result.weights_hash == weights_hash(tmp_path / "merged")
-    [(cand, r)] = ctx.rejected
-    assert cand is bad and r.step == "guard" and "leaves reverse worse than the parent" in r.reason, r.reason
+    result, state = strategy.merge_guarded(ctx, state, tmp_path / "merged", tmp_path / "merged.safetensors")
+    assert [c.key for c in state.candidates] == [good.key] and result.weights_hash == weights_hash(tmp_path / "merged")
+    [(cand, r)] = state.rejected
+    assert cand.key == bad.key and r.step == "guard" and "leaves reverse worse than the parent" in r.reason, r.reason
     assert r.figures["merged_gain"] < 0 and r.figures["p_worse"] <= 0.1 / len(GUARD_SKILLS)
-    assert r.figures["alone_gain"] == pytest.approx(ctx.measured[bad.manifest.blob]["reverse"].gain, abs=1e-5)
+    assert r.figures["alone_gain"] == pytest.approx(state.measured[bad.manifest.blob]["reverse"].gain, abs=1e-5)
     assert r.figures["harmful"] == 1.0  # alone it cost reverse significantly
+    assert r.figures["gain"] == pytest.approx(cand.figures["gain"], rel=1e-5)  # the usefulness test's, carried on
     # the guard's second pass found the honest delta alone leaves no skill worse; alone it lifts reverse
-    assert ctx.measured[good.manifest.blob]["reverse"].gain > 0
+    assert state.measured[good.manifest.blob]["reverse"].gain > 0 and state.seconds["guard"] > 0
 
 
 def test_a_saturated_skills_delta_held_in_reserve_comes_back_when_the_merge_leaves_that_skill_worse(
@@ -142,33 +148,39 @@ def test_a_saturated_skills_delta_held_in_reserve_comes_back_when_the_merge_leav
     flipped = encode_delta({k: -v for k, v in values.items()}, tmp_path / "flipped.safetensors", "dense_fp32")
     strategy = RoundStrategy(steps=[Usefulness()])
 
-    def round_with(reverse_delta: Path, out: str) -> tuple[RoundContext, Candidate, Candidate, list[Candidate]]:
+    def round_with(reverse_delta: Path, out: str) -> tuple[RoundState, Candidate, Candidate]:
         ctx = _ctx(nano_model, tmp_path, spec)
         bad, rev = _candidate(forgetting.path, "sort", base_hash), _candidate(reverse_delta, "reverse", base_hash)
-        assert strategy.screen(ctx, [bad]) == [bad], [r.reason for _, r in ctx.rejected]
-        ctx.spec = saturated  # reverse's delta arrives where every skill counts as saturated
-        assert strategy.screen(ctx, [rev]) == [] and ctx.reserve == {"reverse": [rev]}
-        [(cand, r)] = ctx.rejected
-        assert cand is rev and "already solves reverse" in r.reason and rev.manifest.blob not in ctx.measured
-        return ctx, bad, rev, strategy.merge_guarded(ctx, [bad], tmp_path / out, tmp_path / f"{out}.safetensors")[1]
+        state = strategy.screen(ctx, [bad])
+        assert [c.key for c in state.candidates] == [bad.key], [r.reason for _, r in state.rejected]
+        screened = state.candidates
+        # reverse's delta arrives where every skill counts as saturated
+        state = strategy.screen(dataclasses.replace(ctx, spec=saturated), [rev], state)
+        assert state.candidates == () and state.reserve == {"reverse": (rev,)}
+        [(cand, r)] = state.rejected
+        assert cand is rev and "already solves reverse" in r.reason and rev.manifest.blob not in state.measured
+        _, state = strategy.merge_guarded(ctx, state.but(candidates=screened), tmp_path / out,
+                                          tmp_path / f"{out}.safetensors")
+        return state, bad, rev
 
-    ctx, bad, rev, kept = round_with(honest.path, "merged")
-    assert kept == [rev] and ctx.reserve == {}
-    [(cand, r)] = ctx.rejected  # the saturation rejection is taken back; the sort delta is out at the guard
-    assert cand is bad and r.step == "guard" and "leaves reverse worse than the parent" in r.reason, r.reason
-    own = ctx.measured[rev.manifest.blob]["reverse"]  # judged like any delta: a significant gain of its own
-    assert own.gain > 0.05 and own.p_better <= 0.1 and rev.figures["gain"] == own.gain
-    assert rev.weight == 0.5  # weighed by its key's reputation (a fresh key's), as the round's weighing would have
+    state, bad, rev = round_with(honest.path, "merged")
+    assert [c.key for c in state.candidates] == [rev.key] and state.reserve == {}
+    [(cand, r)] = state.rejected  # the saturation rejection is taken back; the sort delta is out at the guard
+    assert cand.key == bad.key and r.step == "guard" and "leaves reverse worse than the parent" in r.reason, r.reason
+    own = state.measured[rev.manifest.blob]["reverse"]  # judged like any delta: a significant gain of its own
+    [back] = state.candidates
+    assert own.gain > 0.05 and own.p_better <= 0.1 and back.figures["gain"] == own.gain
+    assert back.weight == 0.5  # weighed by its key's reputation (a fresh key's), as the round's weighing would have
     assert weights_hash(tmp_path / "merged") != weights_hash(nano_model)
 
     # a delta in reserve that fails the test (the honest one sign-flipped) stays out for saturation, as recorded;
     # the guard goes on to take the sort delta out and the round merges nothing
-    ctx, bad, rev, kept = round_with(flipped.path, "merged-flipped")
-    assert kept == [] and ctx.reserve == {}
-    reasons = {id(c): r for c, r in ctx.rejected}
-    assert len(ctx.rejected) == 2 and "already solves reverse" in reasons[id(rev)].reason
-    assert reasons[id(bad)].step == "guard"
-    assert ctx.measured[rev.manifest.blob]["reverse"].gain < 0  # measured when it was judged
+    state, bad, rev = round_with(flipped.path, "merged-flipped")
+    assert state.candidates == () and state.reserve == {}
+    reasons = {c.key: r for c, r in state.rejected}
+    assert len(state.rejected) == 2 and "already solves reverse" in reasons[rev.key].reason
+    assert reasons[bad.key].step == "guard"
+    assert state.measured[rev.manifest.blob]["reverse"].gain < 0  # measured when it was judged
 
 
 def test_the_merge_takes_another_lambda_only_where_it_is_significantly_better(nano_model: Path, honest: DeltaInfo,
@@ -187,11 +199,12 @@ def test_the_merge_takes_another_lambda_only_where_it_is_significantly_better(na
 
         held: list[int] = []
 
-        def merge(self, ctx: RoundContext, groups: Any, out_dir: Path, delta_out: Path, **kw: Any) -> Any:
+        def merge(self, inputs: RoundInputs, deltas: Any, policy: MergePolicy, out_dir: Path, delta_out: Path,
+                  **kw: Any) -> Any:
             first = out_dir.name.split(".lambda")[0]  # the network lambda's merge; the others are named after it
             self.held.append(sum(1 for p in tmp_path.iterdir()
                                  if p.is_dir() and (p.name == first or p.name.startswith(f"{first}.lambda"))))
-            return super().merge(ctx, groups, out_dir, delta_out, **kw)
+            return super().merge(inputs, deltas, policy, out_dir, delta_out, **kw)
 
     # (the network's lambda, its alternatives, the one kept)
     for scale, others, chosen in [(0.2, [1.0], 1.0), (1.0, [0.2], 1.0), (0.1, [0.4, 1.0], 1.0)]:
@@ -201,16 +214,16 @@ def test_the_merge_takes_another_lambda_only_where_it_is_significantly_better(na
         good = _candidate(honest.path, "reverse", base_hash)
         out, delta = tmp_path / f"merged-{scale}", tmp_path / f"merged-{scale}.safetensors"
         strategy = Staging(steps=[])
-        result, kept = strategy.merge_guarded(ctx, [good], out, delta)
-        assert kept == [good] and ctx.merge_policy is not None and ctx.merge_policy.scale == chosen
-        assert "lambda" in ctx.seconds and set(ctx.merged_scores) == set(GUARD_SKILLS)
+        result, state = strategy.merge_guarded(ctx, RoundState([good]), out, delta)
+        assert state.candidates == (good,) and state.merge_policy is not None and state.merge_policy.scale == chosen
+        assert "lambda" in state.seconds and set(state.merged_scores) == set(GUARD_SKILLS)
         assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(f"merged-{scale}")) == \
             [out.name, delta.name]  # the other lambdas' merges are gone
         # a losing merge is deleted before the next is made: never more than the held one beside the one being made
         assert len(strategy.held) == 1 + len(others) and max(strategy.held) <= 1
         strategy.held.clear()
         # what the manifest records recomputes the kept merge (what `coordinator run --verify` does)
-        params = merge_params(ctx.merge_policy, 0)
+        params = merge_params(state.merge_policy, 0)
         assert params["lambda"] == chosen
         policy, seed = policy_from_manifest(CheckpointManifest(
             network="use", version=1, parent_version=0, parent_hash=base_hash, weights_hash=result.weights_hash,
@@ -242,33 +255,37 @@ def test_a_saturated_skill_takes_no_delta_and_an_inconclusive_delta_goes_in_on_c
             size=sort.path.stat().st_size, codec="dense_fp32", norm=norm, num_tensors=n)), path=sort.path)
 
     spec = _spec(nano_model, screen=ScreenPolicy(eval_n=6, confidence=0.9999, on_credit=True))
-    ctx = _ctx(nano_model, tmp_path, spec)
     earlier = CheckpointManifest(network="use", version=1, parent_version=0, parent_hash=base_hash,
-                                 weights_hash=base_hash, files=ctx.parent.files, included=[
+                                 weights_hash=base_hash, files=[FileEntry(path="config.json", sha256="1" * 64, size=2)],
+                                 included=[
                                      DeltaRef(blob="1" * 64, author=proven.public_key_hex, skill="sort"),
                                      DeltaRef(blob="2" * 64, author=credited.public_key_hex, skill="sort",
                                               figures={"on_credit": 1.0})])
-    ctx.history = [ctx.parent, earlier]
+    ctx = _ctx(nano_model, tmp_path, spec, history=[earlier])
     cands = {name: by(who) for name, who in [("proven", proven), ("credited", credited), ("fresh", fresh)]}
-    accepted = Usefulness()(ctx, list(cands.values()))
+    verdict = Usefulness()(ctx, RoundState(list(cands.values())))
 
-    assert accepted == [cands["proven"]], [r.reason for _, r in ctx.rejected]
-    own = ctx.measured[cands["proven"].manifest.blob]["sort"]
+    assert [c.key for c in verdict.passed] == [cands["proven"].key], [r.reason for _, r in verdict.rejected]
+    own = verdict.evidence.measured[cands["proven"].manifest.blob]["sort"]
     assert own.wins + own.losses > 0 and own.p_better > 1e-4 and own.p_worse > 1e-4  # changed, inconclusive
-    assert cands["proven"].figures["on_credit"] == 1.0 and "eval_s" not in cands["proven"].figures
+    [credit] = verdict.passed
+    assert credit.figures["on_credit"] == 1.0 and "eval_s" not in credit.figures and credit.layers is None
+    assert credit.to_ref().figures["on_credit"] == 1.0  # what reputation reads, in the manifest
     for name in ("credited", "fresh"):  # a record made only on credit is no record; a fresh key must show a gain
-        [r] = [r for c, r in ctx.rejected if c is cands[name]]
+        [r] = [r for c, r in verdict.rejected if c.key == cands[name].key]
         assert "does not improve sort" in r.reason and r.figures["harmful"] == 0.0, r.reason
     # the network without the credit rule: the proven key's inconclusive delta stays out too
-    off = _ctx(nano_model, tmp_path, _spec(nano_model, screen=ScreenPolicy(eval_n=6, confidence=0.9999)))
-    off.history = ctx.history
-    assert Usefulness()(off, [by(proven)]) == []
+    off = _ctx(nano_model, tmp_path, _spec(nano_model, screen=ScreenPolicy(eval_n=6, confidence=0.9999)),
+               history=[earlier])
+    assert Usefulness()(off, RoundState([by(proven)])).passed == ()
 
     # saturation: a skill the parent solves at `saturated_at` or better takes no delta, unmeasured, held against no one
     spec = _spec(nano_model, screen=ScreenPolicy(eval_n=32, saturated_at=0.01))
     ctx = _ctx(nano_model, tmp_path, spec)
     cand = _candidate(honest.path, "reverse", base_hash)
-    assert Usefulness()(ctx, [cand]) == [] and cand.manifest.blob not in ctx.measured
-    [(_, r)] = ctx.rejected
+    verdict = Usefulness()(ctx, RoundState([cand]))
+    assert verdict.passed == () and cand.manifest.blob not in verdict.evidence.measured
+    assert verdict.evidence.reserve == {"reverse": (cand,)}
+    [(_, r)] = verdict.rejected
     assert r.step == "usefulness" and "already solves reverse" in r.reason and r.figures["harmful"] == 0.0
     assert r.figures["parent_accuracy"] >= 0.01

@@ -10,12 +10,14 @@ import pytest
 import torch
 
 from skillswarm.merge.deltas import encode_delta
-from skillswarm.node.rounds import Candidate, RoundContext, RoundStrategy
+from skillswarm.merge.rounds import round_merge
+from skillswarm.node.rounds import Candidate, GuardVerdict, RoundInputs, RoundState, RoundStrategy, Verdict
 from skillswarm.node.rounds.admission import Admission, Caps
 from skillswarm.node.rounds.inspection import Consensus, Inspect
 from skillswarm.node.rounds.reputation import Reputation, reputations
 from skillswarm.node.rounds.strategy import Weigh
 from skillswarm.node.rounds.paired import Paired, pocock_level, sign_test_p
+from skillswarm.node.rounds.state import reject
 from skillswarm.node.rounds.usefulness import _creditable, _undecided
 from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.protocol.hashing import weights_hash
@@ -59,10 +61,19 @@ def _values(seed: int, scale: float = 0.01) -> dict[str, torch.Tensor]:
     return {k: torch.randn(s, generator=g) * scale for k, s in SHAPES.items()}
 
 
-def _ctx(base: Path, tmp: Path, spec: NetworkSpec, history=(), online=None) -> RoundContext:
+def _inputs(base: Path, tmp: Path, spec: NetworkSpec, history=(), online=None) -> RoundInputs:
     parent = _parent(base)
-    return RoundContext(spec=spec, parent=parent, base_dir=base, blobs=BlobStore(tmp / "blobs"),
-                        history=[*history, parent], online=online)
+    return RoundInputs(spec=spec, parent=parent, base_dir=base, blobs=BlobStore(tmp / "blobs"),
+                       history=[*history, parent], online=online)
+
+
+def _blobs(cands) -> list[str]:
+    return [c.manifest.blob for c in cands]
+
+
+def _reasons(verdict: Verdict) -> dict[str, str]:
+    """blob -> why the step rejected it."""
+    return {r.candidate.manifest.blob: r.rejection.reason for r in verdict.rejected}
 
 
 def test_sign_test_and_paired_comparison_match_hand_computed_values() -> None:
@@ -109,16 +120,17 @@ def test_two_looks_test_at_pococks_nominal_level_and_pool_their_tasks() -> None:
 def test_credit_fills_in_only_for_a_skill_where_no_delta_showed_a_gain(base: Path, tmp_path: Path) -> None:
     """Averaged with a delta that showed a gain, one on credit would only dilute it: it is dropped there (not held
     against its key); a skill with no shown gain keeps its delta on credit."""
-    from skillswarm.node.rounds.usefulness import Usefulness
+    from skillswarm.node.rounds.usefulness import _credit_only_where_nothing_was_shown
 
-    ctx = _ctx(base, tmp_path, _spec(base))
+    inputs = _inputs(base, tmp_path, _spec(base))
     shown, diluting, alone = (_delta(tmp_path, name, base, _values(seed), Identity.generate(), skill=skill)
                               for name, seed, skill in [("shown", 1, "sort"), ("dilute", 2, "sort"), ("alone", 3, "arith")])
-    for c in (diluting, alone):
-        c.figures["on_credit"] = 1.0
-    assert Usefulness()._credit_only_where_nothing_was_shown(ctx, [shown, diluting, alone]) == [shown, alone]
-    [(cand, r)] = ctx.rejected
+    diluting, alone = (c.with_figures(on_credit=1.0) for c in (diluting, alone))
+    kept, rejected = _credit_only_where_nothing_was_shown(inputs, "usefulness", [shown, diluting, alone])
+    assert kept == [shown, alone]
+    [(cand, r)] = rejected
     assert cand is diluting and "another delta of sort showed a gain" in r.reason and r.figures["harmful"] == 0.0
+    assert r.step == "usefulness" and r.figures["on_credit"] == 1.0
 
 
 def test_reputation_counts_inclusions_and_rejections_in_the_window(base: Path) -> None:
@@ -145,9 +157,8 @@ def test_admission_rejects_each_bad_manifest_with_its_reason(base: Path, tmp_pat
                                                                          bad.public_key_hex], min_reputation=0.3))
     history = [_parent(base, 0, rejected=[Rejection(blob=f"{i:064x}", author=bad.public_key_hex, skill="sort",
                                                     reason="no") for i in range(3)])]  # bad: 1/5 = 0.2 < 0.3
-    ctx = _ctx(base, tmp_path, spec, history=history[:0], online={honest.public_key_hex, stranger.public_key_hex,
-                                                                   bad.public_key_hex})
-    ctx.history = [*history, ctx.parent]
+    inputs = _inputs(base, tmp_path, spec, history=history, online={honest.public_key_hex, stranger.public_key_hex,
+                                                                     bad.public_key_hex})
     good = _delta(tmp_path, "good", base, _values(1), honest)
     cases = {
         "not one of the network's": _delta(tmp_path, "skill", base, _values(2), honest, skill="chess"),
@@ -157,24 +168,26 @@ def test_admission_rejects_each_bad_manifest_with_its_reason(base: Path, tmp_pat
         "below the network's floor": _delta(tmp_path, "bad", base, _values(6), bad),
         "no encoding of this model": _delta(tmp_path, "size", base, _values(7), honest, size=10**9),
     }
-    out = Admission()(ctx, [good, *cases.values()])
-    assert out == [good]
-    reasons = {c.manifest.blob: r.reason for c, r in ctx.rejected}
+    verdict = Admission()(inputs, RoundState([good, *cases.values()]))
+    assert _blobs(verdict.passed) == [good.manifest.blob] and verdict.passed[0].figures == {"reputation": 0.5}
+    assert good.figures == {}  # the step's finding is in the candidate it returns; what it was given is unchanged
+    reasons = _reasons(verdict)
     for why, cand in cases.items():
         assert why in reasons[cand.manifest.blob], (why, reasons[cand.manifest.blob])
-    assert all(r.step == "admission" for _, r in ctx.rejected)
+    assert all(r.step == "admission" for _, r in verdict.rejected)
 
 
 def test_admission_bounds_a_claimed_norm_by_the_skills_history(base: Path, tmp_path: Path) -> None:
     spec, key = _spec(base), Identity.generate()
     history = [_parent(base, 0, included=[DeltaRef(blob=f"{i:064x}", author="c" * 64, skill="sort", norm=0.1)
                                           for i in range(3)])]
-    ctx = _ctx(base, tmp_path, spec, history=history)
+    inputs = _inputs(base, tmp_path, spec, history=history)
     fine = _delta(tmp_path, "fine", base, _values(1, 0.01), key)  # norm ~0.18: 1.8x the history median
     huge = _delta(tmp_path, "huge", base, _values(2, 1.0), key)  # ~18x > the 5x limit
     tiny = _delta(tmp_path, "tiny", base, _values(3, 1e-5), key)  # < 0.02x the median
-    assert Admission()(ctx, [fine, huge, tiny]) == [fine]
-    reasons = {c.manifest.blob: r.reason for c, r in ctx.rejected}
+    verdict = Admission()(inputs, RoundState([fine, huge, tiny]))
+    assert _blobs(verdict.passed) == [fine.manifest.blob]
+    reasons = _reasons(verdict)
     assert "median 0.1 of its skill's history (limit 5x)" in reasons[huge.manifest.blob]
     assert "(floor 0.02x)" in reasons[tiny.manifest.blob]
 
@@ -182,14 +195,18 @@ def test_admission_bounds_a_claimed_norm_by_the_skills_history(base: Path, tmp_p
 def test_caps_keep_a_keys_first_deltas_and_the_best_reputed_and_count_the_rest(base: Path, tmp_path: Path) -> None:
     flooder, good = Identity.generate(), Identity.generate()
     spec = _spec(base, trust=TrustPolicy(max_deltas_per_author=2, max_deltas_per_round=3))
-    ctx = _ctx(base, tmp_path, spec, history=[_parent(base, 0, included=[DeltaRef(blob="f" * 64,
-                                                                                  author=good.public_key_hex,
-                                                                                  skill="sort")])])
+    inputs = _inputs(base, tmp_path, spec, history=[_parent(base, 0, included=[DeltaRef(blob="f" * 64,
+                                                                                        author=good.public_key_hex,
+                                                                                        skill="sort")])])
     flood = [_delta(tmp_path, f"f{i}", base, _values(10 + i), flooder, created=float(i)) for i in range(6)]
     mine = [_delta(tmp_path, f"g{i}", base, _values(20 + i), good, created=100.0 + i) for i in range(2)]
-    kept = Caps()(ctx, flood + mine)
+    verdict = Caps()(inputs, RoundState(flood + mine))
+    kept = verdict.passed
     assert {c.manifest.blob for c in kept} == {mine[0].manifest.blob, mine[1].manifest.blob, flood[0].manifest.blob}
-    assert ctx.omitted == 5 and not ctx.rejected
+    assert verdict.omitted == 5 and not verdict.rejected
+    # the driver adds what each step omits to the round's count (the flood alone: 4 over its key's 2)
+    state = RoundState(flood + mine).after("caps", verdict)
+    assert state.omitted == 5 and state.after("caps", Caps()(inputs, RoundState(flood))).omitted == 9
 
 
 def test_inspect_rejects_a_lying_claim_a_wrong_codec_and_an_outsized_norm(base: Path, tmp_path: Path) -> None:
@@ -197,26 +214,29 @@ def test_inspect_rejects_a_lying_claim_a_wrong_codec_and_an_outsized_norm(base: 
     honest = [_delta(tmp_path, f"h{i}", base, _values(i), key) for i in range(3)]
     history = [_parent(base, 0, included=[DeltaRef(blob=f"{i:064x}", author="c" * 64, skill="sort",
                                                    norm=honest[i].manifest.norm) for i in range(3)])]
-    ctx = _ctx(base, tmp_path, spec, history=history)
+    inputs = _inputs(base, tmp_path, spec, history=history)
     liar = _delta(tmp_path, "liar", base, _values(7), key, norm=0.001)
     scaled = _delta(tmp_path, "x100", base, {k: v * 100 for k, v in _values(8).items()}, key)
     wrong = encode_delta(_values(9), tmp_path / "bf16.safetensors", "dense_bf16", base_hash=weights_hash(base))
     codec = Candidate(key.sign_record(DeltaManifest(network=NET, skill="sort", base_version=0,
                                                     base_hash=weights_hash(base), blob=wrong.sha256, size=wrong.size,
                                                     codec="dense_bf16", norm=wrong.norm, num_tensors=3)), path=wrong.path)
-    out = Inspect()(ctx, [*honest, liar, scaled, codec])
+    verdict = Inspect()(inputs, RoundState([*honest, liar, scaled, codec]))
+    out = verdict.passed
     assert sorted(c.manifest.blob for c in out) == sorted(c.manifest.blob for c in honest)
-    reasons = {c.manifest.blob: r.reason for c, r in ctx.rejected}
+    reasons = _reasons(verdict)
     assert "claims norm 0.001" in reasons[liar.manifest.blob]
     assert "the network's codec is dense_fp32" in reasons[codec.manifest.blob]
     assert "median" in reasons[scaled.manifest.blob] and "limit 5x" in reasons[scaled.manifest.blob]
     assert all(c.norm and c.figures["norm"] == c.norm for c in out)
+    assert all(c.norm is None and not c.figures for c in honest)  # the candidates it was given are unchanged
 
     # No history yet: this round's own deltas are no reference (an x100 delta would make the honest one look
     # tiny, two tiny sybils would make it look huge), so both pass on to the usefulness test.
-    young = _ctx(base, tmp_path, spec)
+    young = _inputs(base, tmp_path, spec)
     tiny = [_delta(tmp_path, f"t{i}", base, _values(20 + i, 1e-6), Identity.generate()) for i in range(2)]
-    assert len(Inspect()(young, [honest[0], scaled, *tiny])) == 4 and not young.rejected
+    verdict = Inspect()(young, RoundState([honest[0], scaled, *tiny]))
+    assert len(verdict.passed) == 4 and not verdict.rejected
 
 
 def test_consensus_listens_to_reputable_keys_only(base: Path, tmp_path: Path) -> None:
@@ -230,49 +250,57 @@ def test_consensus_listens_to_reputable_keys_only(base: Path, tmp_path: Path) ->
     noisy = lambda seed: {k: v + 0.3 * w for (k, v), w in zip(direction.items(), _values(seed).values())}  # noqa: E731
     flipped = {k: -v for k, v in direction.items()}
 
-    ctx = _ctx(base, tmp_path, spec, history=[_parent(base, 0, included=record)])
+    inputs = _inputs(base, tmp_path, spec, history=[_parent(base, 0, included=record)])
     good = [_delta(tmp_path, f"h{i}", base, noisy(10 + i), h) for i, h in enumerate(honest)]
     flipper = _delta(tmp_path, "flip", base, flipped, sybils[0])
-    out = Consensus()(ctx, [*good, flipper])
-    assert sorted(c.manifest.blob for c in out) == sorted(c.manifest.blob for c in good)
-    assert ctx.rejected[0][1].step == "consensus" and ctx.rejected[0][1].figures["cosine"] < -0.5
+    verdict = Consensus()(inputs, RoundState([*good, flipper]))
+    assert sorted(_blobs(verdict.passed)) == sorted(_blobs(good))
+    assert all(c.figures["cosine"] > 0.5 for c in verdict.passed)
+    assert verdict.rejected[0].rejection.step == "consensus" and verdict.rejected[0].rejection.figures["cosine"] < -0.5
 
-    ctx = _ctx(base, tmp_path, spec, history=[_parent(base, 0, included=record[:1])])
+    inputs = _inputs(base, tmp_path, spec, history=[_parent(base, 0, included=record[:1])])
     lone = _delta(tmp_path, "lone", base, noisy(12), honest[0])
     pair = [_delta(tmp_path, f"s{i}", base, flipped, s) for i, s in enumerate(sybils)]
-    out = Consensus()(ctx, [lone, *pair])
-    assert lone in out and not any(p in out for p in pair)  # the sybils face the reputable key's direction
+    out = _blobs(Consensus()(inputs, RoundState([lone, *pair])).passed)
+    assert out == [lone.manifest.blob]  # the sybils face the reputable key's direction
 
     # One key with a record turned hostile cannot vote out an honest key of equal standing: a disagreement between
     # two equal says is the usefulness test's to judge.
-    ctx = _ctx(base, tmp_path, spec, history=[_parent(base, 0, included=record)])
+    inputs = _inputs(base, tmp_path, spec, history=[_parent(base, 0, included=record)])
     turned = _delta(tmp_path, "turned", base, flipped, honest[1])
-    assert len(Consensus()(ctx, [lone, turned])) == 2 and not ctx.rejected
+    verdict = Consensus()(inputs, RoundState([lone, turned]))
+    assert len(verdict.passed) == 2 and not verdict.rejected
 
 
 def test_weights_follow_reputation_and_a_strategy_runs_its_steps_in_order(base: Path, tmp_path: Path) -> None:
     proven, fresh = Identity.generate(), Identity.generate()
     spec = _spec(base)
-    ctx = _ctx(base, tmp_path, spec, history=[_parent(base, 0, included=[
+    inputs = _inputs(base, tmp_path, spec, history=[_parent(base, 0, included=[
         DeltaRef(blob="e" * 64, author=proven.public_key_hex, skill="sort")])])
     cands = [_delta(tmp_path, "p", base, _values(1), proven), _delta(tmp_path, "f", base, _values(2), fresh)]
-    order: list[str] = []
+    seen: list[tuple[str, tuple]] = []
 
     class Spy:
+        """Records what it is given: the state the previous step's verdict made."""
+
         def __init__(self, name: str) -> None:
             self.name = name
 
-        def __call__(self, ctx: RoundContext, candidates: list[Candidate]) -> list[Candidate]:
-            order.append(self.name)
-            return candidates
+        def __call__(self, inputs: RoundInputs, state: RoundState) -> Verdict:
+            seen.append((self.name, tuple(c.norm for c in state.candidates)))
+            return Verdict(state.candidates)
 
     strategy = RoundStrategy(steps=[Spy("one"), Inspect(), Spy("two"), Weigh()])
-    out = strategy.screen(ctx, cands)
-    assert order == ["one", "two"] and set(ctx.seconds) == {"one", "inspect", "two", "weigh"}
+    state = strategy.screen(inputs, cands)
+    # the second spy reads the norms Inspect returned; the first saw none
+    assert [name for name, _ in seen] == ["one", "two"] and seen[0][1] == (None, None) and all(seen[1][1])
+    assert set(state.seconds) == {"one", "inspect", "two", "weigh"}
+    out = state.candidates
     weights = {c.author: c.weight for c in out}
     assert weights == {proven.public_key_hex: round(2 / 3, 6), fresh.public_key_hex: 0.5}  # as the manifest holds it
-    groups = strategy.groups(out)
-    assert list(groups) == ["sort"] and sorted(w for _, w in groups["sort"]) == [0.5, round(2 / 3, 6)]
+    merged = [c.to_merge() for c in out]
+    assert {d.skill for d in merged} == {"sort"} and sorted(d.weight for d in merged) == [0.5, round(2 / 3, 6)]
+    assert [r.weight for r in (c.to_ref() for c in out)] == [c.weight for c in out]
 
 
 def test_the_guard_finds_the_worst_significant_regression_and_the_delta_that_cost_it_most(base: Path,
@@ -302,31 +330,41 @@ def test_the_guard_finds_the_worst_significant_regression_and_the_delta_that_cos
 def test_merge_guarded_merges_again_without_each_delta_the_guard_takes_out(base: Path, tmp_path: Path) -> None:
     a = Identity.generate()
     cands = [_delta(tmp_path, str(i), base, _values(i), a) for i in range(3)]
-    ctx = _ctx(base, tmp_path, _spec(base))
+    inputs = _inputs(base, tmp_path, _spec(base))
     merged: list[list[str]] = []
 
-    class Script:  # takes out the first delta twice, then is satisfied
+    class Script:  # takes out the first delta twice (with a rejection), then is satisfied
         name = "guard"
 
-        def __call__(self, ctx: RoundContext, accepted: list[Candidate], merged_dir: Path) -> list[Candidate]:
+        def __call__(self, inputs: RoundInputs, state: RoundState, merged_dir: Path) -> GuardVerdict:
             assert (merged_dir / "model.safetensors").is_file()
-            return accepted[1:] if len(merged) < 3 else accepted
+            accepted = state.candidates
+            if len(merged) >= 3:
+                return GuardVerdict(accepted, seconds=0.5)
+            out = reject(inputs, accepted[0], self.name, "taken out")
+            return GuardVerdict(accepted[1:], (out,), seconds=0.5)
 
     class Recording(RoundStrategy):
-        def merge(self, ctx, groups, out_dir, delta_out, **options):
-            merged.append([p.name for p, _ in groups["sort"]])
-            return super().merge(ctx, groups, out_dir, delta_out, **options)
+        def merge(self, inputs, deltas, policy, out_dir, delta_out, **options):
+            merged.append([c.path.name for c in deltas])
+            return super().merge(inputs, deltas, policy, out_dir, delta_out, **options)
 
-    result, kept = Recording(steps=[], guard=Script()).merge_guarded(ctx, list(cands), tmp_path / "out",
-                                                                       tmp_path / "merged.safetensors")
+    result, state = Recording(steps=[], guard=Script()).merge_guarded(inputs, RoundState(cands), tmp_path / "out",
+                                                                        tmp_path / "merged.safetensors")
     assert [sorted(m) for m in merged] == [["0.safetensors", "1.safetensors", "2.safetensors"],
                                            ["1.safetensors", "2.safetensors"], ["2.safetensors"]]
-    assert kept == [cands[2]] and result.weights_hash == weights_hash(tmp_path / "out")
+    assert state.candidates == (cands[2],) and result.weights_hash == weights_hash(tmp_path / "out")
+    assert [r.candidate for r in state.rejected] == cands[:2] and state.seconds["guard"] == 1.5
+    assert state.merge_policy == inputs.spec.merge  # no search: the network's lambda
     assert (tmp_path / "merged.safetensors").is_file()
+    # the merge is the round's recipe: what `round_merge` makes of the kept delta, bit for bit
+    again = round_merge(base, [cands[2].to_merge()], inputs.spec.merge, tmp_path / "again", seed=0)
+    assert again.weights_hash == result.weights_hash
     # a guard that takes out every delta leaves no merge behind
-    out = RoundStrategy(steps=[], guard=lambda ctx, acc, d: []).merge_guarded(ctx, cands[:1], tmp_path / "o2",
-                                                                              tmp_path / "m2.safetensors")
-    assert out == (None, []) and not (tmp_path / "o2").exists() and not (tmp_path / "m2.safetensors").exists()
+    out, state = RoundStrategy(steps=[], guard=lambda inputs, state, d: GuardVerdict(())).merge_guarded(
+        inputs, RoundState(cands[:1]), tmp_path / "o2", tmp_path / "m2.safetensors")
+    assert out is None and state.candidates == ()
+    assert not (tmp_path / "o2").exists() and not (tmp_path / "m2.safetensors").exists()
 
 
 def test_the_lambda_search_keeps_an_alternative_only_on_significant_evidence() -> None:
@@ -342,3 +380,51 @@ def test_the_lambda_search_keeps_an_alternative_only_on_significant_evidence() -
     assert best == 3 and [(t.wins, t.losses) for t in tests] == [(6, 0), (30, 0), (40, 0)]
     worse = [(0.0, False)] * 100
     assert choose(clearly, [reference, worse], alpha=0.5)[0] == 0  # fewer wins than losses is never kept
+
+
+def test_the_round_state_changes_only_by_the_verdicts_the_driver_folds_in(base: Path, tmp_path: Path) -> None:
+    """A step's verdict becomes the next state (rejections appended, the reserve grown, seconds summed); the guard's
+    takes a reserve's rejections back and releases it; and nothing a step is handed can be written to."""
+    import dataclasses
+
+    from skillswarm.node.rounds import Evidence
+    from skillswarm.node.rounds.paired import Paired
+
+    inputs = _inputs(base, tmp_path, _spec(base))
+    key = Identity.generate()
+    a, b = _delta(tmp_path, "a", base, _values(1), key), _delta(tmp_path, "b", base, _values(2), key, skill="arith")
+    start = RoundState([a, b])
+    saturated = reject(inputs, b, "usefulness", "the parent already solves arith", {"parent_accuracy": 0.99},
+                       harmful=False)
+    judged = Paired(3, 1, 8, 0.5, 0.75)
+    state = start.after("usefulness", Verdict([a.with_figures(gain=0.1)], [saturated],
+                                              evidence=Evidence(parent_scores={"sort": [(1.0, True)]},
+                                                                measured={a.manifest.blob: {"sort": judged}},
+                                                                reserve={"arith": [b]})), 2.0)
+    assert start.candidates == (a, b) and not start.rejected and not start.reserve  # the state it came from stands
+    assert [c.key for c in state.candidates] == [a.key] and state.candidates[0].figures == {"gain": 0.1}
+    assert state.rejected == (saturated,) and state.reserve == {"arith": (b,)}
+    assert state.measured[a.manifest.blob]["sort"] == judged and state.seconds == {"usefulness": 2.0}
+    state = state.after("usefulness", Verdict(state.candidates), 0.5)
+    assert state.seconds == {"usefulness": 2.5} and state.reserve == {"arith": (b,)}
+
+    # the guard brings the reserve in: its saturation rejection is taken back and the reserve is released
+    back = b.but(weight=0.5)
+    guarded = state.after_guard(GuardVerdict((*state.candidates, back), restored=(back,), released="arith",
+                                             seconds=1.0))
+    assert guarded.candidates[-1] is back and guarded.rejected == () and guarded.reserve == {}
+    assert guarded.seconds == {"usefulness": 2.5, "guard": 1.0}
+    # ... or takes a delta out, which is rejected after what was rejected before
+    out = reject(inputs, state.candidates[0], "guard", "the merge with it leaves sort worse")
+    guarded = state.after_guard(GuardVerdict((), (out,)))
+    assert guarded.candidates == () and guarded.rejected == (saturated, out) and guarded.reserve == {"arith": (b,)}
+
+    for write in (lambda: state.seconds.update(x=1.0), lambda: state.measured.pop(a.manifest.blob),
+                  lambda: state.reserve.clear(), lambda: state.candidates[0].figures.update(gain=1.0),
+                  lambda: inputs.first_seen.update({("k", "b"): 0.0})):
+        with pytest.raises((TypeError, AttributeError)):
+            write()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        state.omitted = 3  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.weight = 2.0  # type: ignore[misc]

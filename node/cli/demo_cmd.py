@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
 
 from skillswarm.node.cli.common import JsonOpt, console, err_console, print_json, table
+from skillswarm.node.cli.options import field_option
 from skillswarm.node.demo import DemoConfig
 from skillswarm.node.rl.config import default_of
 from skillswarm.protocol.records import ScreenPolicy
@@ -19,38 +20,37 @@ from skillswarm.skills.nano.recipe import DEFAULT_RECIPE
 DEMO_SKILLS = DEFAULT_RECIPE.skills
 
 
-def _d(name: str) -> Any:
-    """An option's default: DemoConfig's, the one place it is stated."""
-    return default_of(DemoConfig, name)
+def _opt(name: str, *param_decls: str, **kwargs: object) -> object:
+    """The option of DemoConfig's field `name` (its default stated there, once)."""
+    return field_option(DemoConfig, name, *param_decls, **kwargs)
 
 
 def demo_cmd(
     out: Annotated[Path, typer.Option(help="Where to write report.json, report.png, the final checkpoint and logs.")] = Path("runs/demo"),
     skill: Annotated[Optional[list[str]], typer.Option(help=f"Skills to train (default: {', '.join(DEMO_SKILLS)}).")] = None,
-    rounds: Annotated[int, typer.Option(help="Merge rounds.", min=1)] = _d("rounds"),
-    minutes_per_round: Annotated[float, typer.Option(help="At most this many training minutes per worker per round (0: no limit).", min=0)] = _d("minutes_per_round"),
-    steps_per_round: Annotated[int, typer.Option(help="Optimizer steps per worker per round.", min=1)] = _d("steps_per_round"),
-    lr_decay: Annotated[float, typer.Option(help="Workers train on checkpoint vN at their learning rate times "
-                                                 "LR_DECAY**N (at least a quarter of it); 1: a constant rate.",
-                                            min=0.01, max=1.0)] = _d("lr_decay"),
-    method: Annotated[str, typer.Option(help="Merge method across skills.")] = _d("method"),
-    density: Annotated[float, typer.Option(help="Fraction of each delta kept by ties/dare/breadcrumbs.", min=0.01, max=1.0)] = _d("density"),
-    lambda_: Annotated[float, typer.Option("--lambda", help="Scale of the merged task vector.", min=0.01, max=100.0)] = _d("scale"),
+    rounds: int = _opt("rounds", help="Merge rounds.", min=1),
+    minutes_per_round: float = _opt("minutes_per_round", help="At most this many training minutes per worker per round "
+                                    "(0: no limit).", min=0),
+    steps_per_round: int = _opt("steps_per_round", help="Optimizer steps per worker per round.", min=1),
+    lr_decay: float = _opt("lr_decay", help="Workers train on checkpoint vN at their learning rate times LR_DECAY**N (at "
+                           "least a quarter of it); 1: a constant rate.", min=0.01, max=1.0),
+    method: str = _opt("method", help="Merge method across skills."),
+    density: float = _opt("density", help="Fraction of each delta kept by ties/dare/breadcrumbs.", min=0.01, max=1.0),
+    lambda_: float = _opt("scale", "--lambda", help="Scale of the merged task vector.", min=0.01, max=100.0),
     lambda_search: Annotated[Optional[list[float]], typer.Option(help="Another lambda the coordinator may merge a round "
                                                                  "at where it scores significantly better; repeatable "
-                                                                 f"(default: {', '.join(f'{x:g}' for x in _d('scale_search'))}; "
+                                                                 f"(default: {', '.join(f'{x:g}' for x in default_of(DemoConfig, 'scale_search'))}; "
                                                                  "--lambda-search 1: only --lambda).",
                                                             min=0.01, max=100.0)] = None,
     compare: Annotated[Optional[list[str]], typer.Option(help="Also re-merge the last round with METHOD or METHOD@LAMBDA and report its "
-                                                        f"retention (default: {' and '.join(_d('compare'))}).")] = None,
+                                                        f"retention (default: {' and '.join(default_of(DemoConfig, 'compare'))}).")] = None,
     no_compare: Annotated[bool, typer.Option("--no-compare", help="Skip the re-merge comparison.")] = False,
-    eval_n: Annotated[int, typer.Option(help="Held-out episodes per skill for every accuracy figure.", min=1)] = _d("eval_n"),
-    retention_n: Annotated[int, typer.Option(help="Held-out tasks per skill on which base, specialists and merged "
-                                                  "model are re-measured at the end (a retention with half the sampling error, and its interval), "
-                                                  "and every round's checkpoint is paired with the first-round specialists.",
-                                             min=1)] = _d("retention_n"),
-    retain: Annotated[float, typer.Option(help="Workers keep the other skills where each round started (a KL of this "
-                                          "weight on the start's episodes of them; 0: off).", min=0.0)] = _d("retain"),
+    eval_n: int = _opt("eval_n", help="Held-out episodes per skill for every accuracy figure.", min=1),
+    retention_n: int = _opt("retention_n", help="Held-out tasks per skill on which base, specialists and merged model "
+                            "are re-measured at the end (a retention with half the sampling error, and its interval), and "
+                            "every round's checkpoint is paired with the first-round specialists.", min=1),
+    retain: float = _opt("retain", help="Workers keep the other skills where each round started (a KL of this weight "
+                         "on the start's episodes of them; 0: off).", min=0.0),
     screen_eval_n: Annotated[int, typer.Option(help="Held-out tasks per skill the coordinator evaluates each delta on "
                                                     "before merging it (the network's usefulness test); 0: off.",
                                                min=0)] = ScreenPolicy().eval_n,

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from skillswarm.node.cli.common import JsonOpt, console, err_console, fail, print_json, table
+from skillswarm.node.rl.config import LOCAL_CODEC
 from skillswarm.protocol.records import CODECS, MERGE_METHODS, MergePolicy
 
 app = typer.Typer(help="Merge models and deltas, make and apply deltas, analyze them.", no_args_is_help=True)
@@ -133,7 +134,7 @@ def make_delta(
     base: Annotated[Path, typer.Option(help="Base model directory.")],
     tuned: Annotated[Path, typer.Option(help="Fine-tuned model directory.")],
     out: Annotated[Path, typer.Option(help="Delta file to write (.safetensors).")],
-    codec: Annotated[str, typer.Option(help=f"Codec: {', '.join(CODECS)}.")] = "dense_bf16",
+    codec: Annotated[str, typer.Option(help=f"Codec: {', '.join(CODECS)}.")] = LOCAL_CODEC,
     density: Annotated[Optional[float], typer.Option(help="topk: fraction of entries kept (default 0.1).")] = None,
     value_bits: Annotated[Optional[int], typer.Option(help="topk: 8 (int8, one scale per tensor), 16 (bfloat16) or 32 bit values.")] = None,
     rank: Annotated[Optional[int], typer.Option(help="lora: rank of the factors (default 16).")] = None,

@@ -9,8 +9,9 @@ import msgspec
 import typer
 
 from skillswarm.node.cli.common import JsonOpt, KeyOpt, console, fail, print_json, table
+from skillswarm.protocol.errors import SpecError
 from skillswarm.protocol.identity import Identity, fingerprint
-from skillswarm.protocol.netspec import load_spec, save_spec
+from skillswarm.protocol.netspec import load_spec, new_network, save_spec
 from skillswarm.protocol.records import (
     ADMISSIONS,
     CODECS,
@@ -21,6 +22,7 @@ from skillswarm.protocol.records import (
     NetworkSpec,
     RoundPolicy,
     ScreenPolicy,
+    SkillVersion,
     TrustPolicy,
 )
 
@@ -30,7 +32,7 @@ _SCREEN, _TRUST, _ROUND, _MERGE = ScreenPolicy(), TrustPolicy(), RoundPolicy(), 
 app = typer.Typer(help="Create and inspect networks.", no_args_is_help=True)
 
 
-def _plugin_pins(skills: list[str]) -> dict[str, dict[str, str]]:
+def _plugin_pins(skills: list[str]) -> dict[str, SkillVersion]:
     """The version of every plugin skill among `skills` (built-ins are versioned with skillswarm itself);
     a skill this machine does not have cannot be pinned, so it is an error."""
     from skillswarm.skills.registry import get_skill, is_builtin, plugin_names, plugin_version
@@ -44,8 +46,8 @@ def _plugin_pins(skills: list[str]) -> dict[str, dict[str, str]]:
                  "that provides it first, so that the network file records its version")
         pin = plugin_version(get_skill(name))
         if pin is not None:
-            pins[name] = {"version": pin.version, "distribution": pin.distribution,
-                          "distribution_version": pin.distribution_version}
+            pins[name] = SkillVersion(version=pin.version, distribution=pin.distribution,
+                                      distribution_version=pin.distribution_version)
     return pins
 
 
@@ -108,26 +110,21 @@ def init(
     ident = Identity.load_or_create(key)
     base_hash = _resolve_base(model, revision)
     try:
-        spec = msgspec.convert(
-            {
-                "kind": "network", "network": name, "description": description, "base_model": model,
-                "base_revision": revision, "base_hash": base_hash, "skills": skill,
-                "coordinators": coordinator or [ident.public_key_hex], "bootstrap": bootstrap or [], "codec": codec,
-                "round": {**msgspec.to_builtins(_ROUND), "steps_per_round": steps_per_round, "min_deltas": min_deltas,
-                          "max_wait_s": max_wait, **({"lr_decay": lr_decay} if lr_decay is not None else {})},
-                "merge": {**msgspec.to_builtins(_MERGE), "method": method, "density": density, "lambda": scale,
-                          "lambda_search": lambda_search or list(DEFAULT_LAMBDA_SEARCH)},
-                "trust": {**msgspec.to_builtins(_TRUST), "admission": admission, "workers": worker or []},
-                "screen": {**msgspec.to_builtins(ScreenPolicy.for_new_network()), "eval_n": screen_eval_n,
-                           "confidence": confidence},
-                **({"skill_versions": pins} if pins else {}),  # none: the file reads exactly as before plugins
-            },
-            NetworkSpec,
-        )
-    except (msgspec.ValidationError, ValueError) as e:
+        spec = new_network(
+            name, model, base_hash, skill, coordinator or [ident.public_key_hex], description=description,
+            base_revision=revision, bootstrap=bootstrap or [], codec=codec,
+            round=RoundPolicy(steps_per_round=steps_per_round, min_deltas=min_deltas, max_wait_s=max_wait,
+                              lr_decay=msgspec.UNSET if lr_decay is None else lr_decay),
+            merge=MergePolicy(method=method, density=density, scale=scale,  # type: ignore[arg-type]
+                              scale_search=lambda_search or msgspec.UNSET),
+            trust=TrustPolicy(admission=admission, workers=worker or []),  # type: ignore[arg-type]
+            screen=ScreenPolicy.for_new_network(eval_n=screen_eval_n, confidence=confidence), skill_versions=pins)
+    except SpecError as e:
+        fail(str(e))
+    except ValueError as e:  # a policy's own check, e.g. an allowlist without workers
         fail(f"invalid network settings: {e}")
     save_spec(ident.sign_record(spec), out)
-    pinned = "".join(f"; {n} {p['version']} from {p['distribution']}" for n, p in pins.items())
+    pinned = "".join(f"; {n} {p.version} from {p.distribution}" for n, p in pins.items())
     console.print(f"wrote [bold]{out}[/] for network [bold]{name}[/] (base {base_hash[:12]}, {len(skill)} skills"
                   f"{pinned})", highlight=False)
 

@@ -2,8 +2,9 @@
 
 The parts of the engine take nested configs (`LossConfig`, `OptimConfig`, `RolloutConfig`) that have no
 defaults of their own: they are built from a TrainConfig, so a default cannot drift between layers. The
-CLI derives its defaults from TrainConfig too (`default_of`). This module imports nothing heavy (no
-torch), so the CLI can read it at start-up.
+TrainConfig fields a worker node may set are one typed `WorkerSettings` (defaults: TrainConfig's), which `node run`
+reads from its flags or a settings file. The CLI derives its defaults from these dataclasses too (`default_of`). This
+module imports nothing heavy (no torch), so the CLI can read it at start-up.
 """
 
 from __future__ import annotations
@@ -11,18 +12,22 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+import msgspec
+from msgspec import Meta
+
+from skillswarm.protocol.atomic import atomic_write_text
 from skillswarm.protocol.errors import TrainError
-from skillswarm.node.rl.engines.base import DEFAULT_ENGINE
+from skillswarm.protocol.records import EVAL_N
+from skillswarm.node.rl.engines.base import DEFAULT_ENGINE, ENGINES
 
 Variant = Literal["grpo", "dr_grpo", "dapo"]
 VARIANTS: tuple[str, ...] = ("grpo", "dr_grpo", "dapo")
 ASYNC_MODES: tuple[str, ...] = ("auto", "process", "thread")
 EXTERNAL_PREFIX = "external:"
-# Held-out tasks per evaluation (train, eval, a worker's round, a coordinator's merge, the demo): at 300 one
-# standard error of an accuracy near 50% is 2.9 points, small enough to see a gain of 15.
-EVAL_N = 300
+# The codec of a delta written outside a network (train, merge delta): half of fp32's bytes; bench/codecs.py's reference.
+LOCAL_CODEC = "dense_bf16"
 
 
 def default_of(cls: type, name: str) -> Any:
@@ -162,7 +167,7 @@ class TrainConfig:
     async_mode: str = "auto"  # auto: a separate process for hf (CPU or GPU), a thread for vllm
     queue_depth: int = 1  # generation batches buffered ahead of the trainer
     threads: int | None = None  # torch threads per process (default: 1 for small models)
-    codec: str | None = "dense_bf16"  # None: no delta file
+    codec: str | None = LOCAL_CODEC  # None: no delta file; a worker's round publishes in its network's codec
     codec_params: dict[str, float] = field(default_factory=dict)
     resume: bool = False
     store: Path | None = None  # with skill "external:NAME": train on the groups an endpoint recorded there
@@ -297,3 +302,86 @@ class TrainConfig:
         """JSON-able settings (run.json)."""
         return {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
                 for k, v in asdict(self).items()}
+
+
+def _setting(name: str, help: str) -> Any:
+    """A WorkerSettings field: TrainConfig's default of `name` (stated once, there) and its help for the CLI."""
+    return field(default=default_of(TrainConfig, name), metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """The training settings a worker node chooses for its rounds (`node run`'s flags or its --settings file); each
+    default is TrainConfig's, the rest of a round's TrainConfig comes from the network (`Worker.round_config`)."""
+
+    engine: str = _setting("engine", "Inference engine: hf (CPU or GPU) or vllm (GPU, the vllm extra).")
+    lora: bool = _setting("lora", "Train LoRA adapters instead of all weights.")
+    steps_per_round: Annotated[int, Meta(ge=1)] | None = field(
+        default=None, metadata={"help": "Optimizer steps per round (default: the network's)."})
+    minutes_per_round: Annotated[float, Meta(ge=0.01)] | None = field(
+        default=None, metadata={"help": "Also end each round's training after this many minutes (whichever comes first)."})
+    group_size: Annotated[int, Meta(ge=2)] = _setting("group_size", "Episodes per task (GRPO group).")
+    batch: Annotated[int, Meta(ge=1)] = _setting("batch", "Tasks per optimizer step.")
+    lr: Annotated[float, Meta(gt=0.0)] = _setting("lr", "AdamW learning rate on checkpoint v0 (the network's lr_decay "
+                                                        "scales it on later ones).")
+    threads: Annotated[int, Meta(ge=1)] | None = _setting("threads", "CPU threads for torch (default: chosen by model size).")
+    eval_n: Annotated[int, Meta(ge=0)] = _setting("eval_n", "Held-out episodes evaluated before and after each round "
+                                                            "(0: none).")
+    retain: Annotated[float, Meta(ge=0.0)] = _setting("retain", "Weight of the KL that keeps the network's other skills "
+                                                                "where the round started (0: train the shard alone).")
+    report_to: tuple[str, ...] = _setting("report_to", "Also send each round's training metrics to tensorboard or wandb "
+                                                       "(one tracker run per round); repeatable.")
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, not {self.engine!r}")
+
+
+def worker_settings(values: Any, source: str) -> WorkerSettings:
+    """WorkerSettings from builtin values (a settings file's table, the CLI's), checked against every field's type and
+    bounds; an unknown name or a bad value raises TrainError naming `source` and the field."""
+    if not isinstance(values, dict):
+        raise TrainError(f"{source}: expected a table of settings, got {type(values).__name__}")
+    known = [f.name for f in dataclasses.fields(WorkerSettings)]
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise TrainError(f"{source}: unknown setting {', '.join(f'`{k}`' for k in unknown)}; "
+                         f"known: {', '.join(known)}")
+    try:
+        return msgspec.convert(values, WorkerSettings)
+    except msgspec.ValidationError as e:
+        text, _, where = str(e).rpartition(" - at `$.")
+        raise TrainError(f"{source}: setting `{where.rstrip('`')}`: {text}" if text else f"{source}: {e}") from None
+
+
+def save_settings(settings: WorkerSettings, path: Path | str) -> Path:
+    """Write `settings` to `path` (JSON for a .json name, else TOML), atomically: what `node run --settings` reads."""
+    path = Path(path)
+    values = {k: v for k, v in msgspec.to_builtins(settings).items() if v is not None}  # TOML has no null: None = default
+    if path.suffix == ".json":
+        return atomic_write_text(path, msgspec.json.encode(values).decode() + "\n")
+    return atomic_write_text(path, "# skillswarm worker settings (`skillswarm node run --settings FILE`)\n"
+                             + msgspec.toml.encode(values).decode())
+
+
+def load_settings(path: Path | str) -> WorkerSettings:
+    """Read a settings file written by `save_settings` (or by hand); any problem raises TrainError naming the file."""
+    path = Path(path)
+    source = f"settings file {path}"
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise TrainError(f"{source} does not exist") from None
+    except OSError as e:
+        raise TrainError(f"cannot read {source}: {e.strerror or e}") from None
+    kind = "JSON" if path.suffix == ".json" else "TOML"
+    try:
+        values = (msgspec.json if kind == "JSON" else msgspec.toml).decode(data)
+    except msgspec.DecodeError as e:
+        raise TrainError(f"{source} is not valid {kind}: {e}") from None
+    return worker_settings(values, source)
+
+
+def override(settings: WorkerSettings, changes: dict[str, Any], source: str) -> WorkerSettings:
+    """`settings` with `changes` (field name -> value, e.g. the flags a command line gave), checked as a file is."""
+    return worker_settings({**msgspec.to_builtins(settings), **changes}, source)

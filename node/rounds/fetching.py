@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from skillswarm.node.rounds.context import NO_SHOW_FIGURE, Candidate, RoundContext
+from skillswarm.node.rounds.state import NO_SHOW_FIGURE, Candidate, Rejected, RoundInputs, RoundState, Verdict, reject
 
 MAX_PARALLEL = 4  # downloads at once: enough to hide one slow provider, few enough for a home uplink
 
@@ -25,29 +25,36 @@ class Fetch:
     name: str = "fetch"
     max_parallel: int = MAX_PARALLEL
 
-    def __call__(self, ctx: RoundContext, candidates: list[Candidate]) -> list[Candidate]:
+    def __call__(self, inputs: RoundInputs, state: RoundState) -> Verdict:
+        candidates = state.candidates
         todo = [c for c in candidates if c.path is None]
-        if todo:
-            if ctx.dht is None:
-                raise RuntimeError("the fetch step needs a DHT (or candidates that arrive with their files)")
-            limit = ctx.max_delta_bytes
-            sizes: dict[str, set[int]] = {}
-            for c in todo:
-                sizes.setdefault(c.manifest.blob, set()).add(c.manifest.size)
-            # one download per blob; where its manifests disagree on its size (a copy re-signed with another), the
-            # download takes the hash's word, not either manifest's, so a lying copy cannot fail the original's fetch
-            results = ctx.dht.fetch_many([(blob, next(iter(s)) if len(s) == 1 else None, min(max(s), limit))
-                                          for blob, s in sizes.items()],
-                                         budget_s=ctx.spec.round.fetch_budget_s, store=ctx.blobs,
-                                         max_parallel=self.max_parallel, progress=ctx.progress)
-            for c in todo:
-                got = results.get(c.manifest.blob)
-                if not isinstance(got, Path):
-                    ctx.reject(c, self.name, f"blob unavailable: {got}", {**c.figures, NO_SHOW_FIGURE: 1.0},
-                               harmful=False)
-                elif len(sizes[c.manifest.blob]) > 1 and got.stat().st_size != c.manifest.size:
-                    ctx.reject(c, self.name, f"its manifest announces {c.manifest.size} bytes; the blob has "
-                                             f"{got.stat().st_size}")
-                else:
-                    c.path = got
-        return [c for c in candidates if c.path is not None]
+        if not todo:
+            return Verdict(candidates)
+        if inputs.dht is None:
+            raise RuntimeError("the fetch step needs a DHT (or candidates that arrive with their files)")
+        limit = inputs.max_delta_bytes
+        sizes: dict[str, set[int]] = {}
+        for c in todo:
+            sizes.setdefault(c.manifest.blob, set()).add(c.manifest.size)
+        # one download per blob; where its manifests disagree on its size (a copy re-signed with another), the
+        # download takes the hash's word, not either manifest's, so a lying copy cannot fail the original's fetch
+        results = inputs.dht.fetch_many([(blob, next(iter(s)) if len(s) == 1 else None, min(max(s), limit))
+                                         for blob, s in sizes.items()],
+                                        budget_s=inputs.spec.round.fetch_budget_s, store=inputs.blobs,
+                                        max_parallel=self.max_parallel, progress=inputs.progress)
+        out: list[Candidate] = []
+        rejected: list[Rejected] = []
+        for c in candidates:
+            if c.path is not None:
+                out.append(c)
+                continue
+            got = results.get(c.manifest.blob)
+            if not isinstance(got, Path):
+                rejected.append(reject(inputs, c, self.name, f"blob unavailable: {got}",
+                                       {**c.figures, NO_SHOW_FIGURE: 1.0}, harmful=False))
+            elif len(sizes[c.manifest.blob]) > 1 and got.stat().st_size != c.manifest.size:
+                rejected.append(reject(inputs, c, self.name, f"its manifest announces {c.manifest.size} bytes; "
+                                                             f"the blob has {got.stat().st_size}"))
+            else:
+                out.append(c.but(path=got))
+        return Verdict(tuple(out), tuple(rejected))

@@ -22,10 +22,11 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping, Sequence
 
-from skillswarm.node.rounds.context import Candidate, RoundContext
 from skillswarm.node.rounds.paired import Paired
 from skillswarm.node.rounds.reputation import Weigh
+from skillswarm.node.rounds.state import Candidate, Evidence, GuardVerdict, RoundInputs, RoundState, reject
 from skillswarm.node.rounds.usefulness import Usefulness
 
 log = logging.getLogger(__name__)
@@ -38,10 +39,10 @@ def worst_regression(merged: dict[str, Paired], level: float) -> tuple[str, Pair
     return min(worse, key=lambda sp: (sp[1].gain, sp[1].p_worse, sp[0]), default=None)
 
 
-def costliest(accepted: list[Candidate], measured: dict[str, dict[str, Paired]], skill: str) -> Candidate:
+def costliest(accepted: Sequence[Candidate], measured: Mapping[str, Mapping[str, Paired]], skill: str) -> Candidate:
     """The accepted delta that cost `skill` the most when measured alone: another skill's when there is one (the
     skill's own deltas each improved it), a delta measured without figures counting as no change."""
-    others = [c for c in accepted if c.skill != skill] or accepted
+    others = [c for c in accepted if c.skill != skill] or list(accepted)
 
     def alone(c: Candidate) -> float:
         p = measured.get(c.manifest.blob, {}).get(skill)
@@ -50,20 +51,17 @@ def costliest(accepted: list[Candidate], measured: dict[str, dict[str, Paired]],
     return min(others, key=lambda c: (alone(c), c.manifest.blob))
 
 
-def from_reserve(ctx: RoundContext, skill: str) -> list[Candidate]:
+def from_reserve(inputs: RoundInputs, state: RoundState, skill: str) -> tuple[tuple[Candidate, ...], Evidence]:
     """`skill`'s deltas held in reserve for saturation that pass the usefulness test with saturation set aside
     (shown gain, or credit: from a key with a record, no other skill hurt beyond the tolerance, with no floor on the
-    tasks it changes, since repairing the skill is the gain), weighed by reputation and taken out of the reserve and
-    the round's rejections; one that does not pass stays out for saturation, as first recorded."""
-    reserve = ctx.reserve.pop(skill, [])
+    tasks it changes, since repairing the skill is the gain), weighed by reputation, and what the test measured. One
+    that does not pass stays out for saturation, as first recorded (this test's rejections are not kept)."""
+    reserve = state.reserve.get(skill, ())
     if not reserve:
-        return []
-    mark = len(ctx.rejected)
-    back = Weigh()(ctx, Usefulness(reserve=True)(ctx, reserve))  # saturation kept them from the round's weighing
-    del ctx.rejected[mark:]
-    for c in back:
-        ctx.unreject(c)
-    return back
+        return (), Evidence()
+    judged = Usefulness(reserve=True)(inputs, state.but(candidates=reserve))
+    back = Weigh()(inputs, RoundState(judged.passed))  # saturation kept them from the round's weighing
+    return back.passed, Evidence(measured=judged.evidence.measured)
 
 
 @dataclass
@@ -72,40 +70,50 @@ class MergeGuard:
 
     name: str = "guard"
 
-    def __call__(self, ctx: RoundContext, accepted: list[Candidate], merged_dir: Path) -> list[Candidate]:
-        """`accepted` when the merge in `merged_dir` leaves no skill significantly worse than the parent; else
-        `accepted` with the worst-off skill's reserve (`from_reserve`) when any of it passes, or less the delta that
-        cost that skill the most, which is rejected with the figures."""
-        policy = ctx.spec.screen
+    def __call__(self, inputs: RoundInputs, state: RoundState, merged_dir: Path) -> GuardVerdict:
+        """The merge in `merged_dir` of `state.candidates` stands when it leaves no skill significantly worse than the
+        parent; else the worst-off skill's reserve (`from_reserve`) comes in when any of it passes, or the delta that
+        cost that skill the most goes out, rejected with the figures."""
+        accepted = state.candidates
+        policy = inputs.spec.screen
         if policy.eval_n == 0 or not accepted:
-            return accepted
+            return GuardVerdict(accepted)
         t0 = time.monotonic()
-        skills = list(ctx.spec.skills)
-        parent = ctx.parent_first_look()
-        after = ctx.merged_scores or ctx.first_look(merged_dir)  # the lambda search's measurement of this merge
+        skills = list(inputs.spec.skills)
+        # the parent's first look: the usefulness test's, or measured now when no usefulness test ran
+        fresh = {} if all(s in state.parent_scores for s in skills) else inputs.first_look(inputs.base_dir)
+        parent = {**state.parent_scores, **fresh}
+        after = state.merged_scores or inputs.first_look(merged_dir)  # the lambda search's measurement of this merge
         merged = {s: Paired.compare(parent[s], after[s]) for s in skills}
-        ctx.seconds[self.name] = ctx.seconds.get(self.name, 0.0) + time.monotonic() - t0
+        seconds = time.monotonic() - t0
         alpha = 1.0 - policy.confidence
         found = worst_regression(merged, alpha / len(skills))
         if found is None:
-            log.info("round v%d: the merge of %d delta(s) leaves no skill worse (%s)", ctx.parent.version,
+            log.info("round v%d: the merge of %d delta(s) leaves no skill worse (%s)", inputs.parent.version,
                      len(accepted), ", ".join(f"{s} {p.gain:+.1%}" for s, p in merged.items()))
-            return accepted
+            return GuardVerdict(accepted, evidence=Evidence(parent_scores=fresh), seconds=seconds)
         skill, p = found
-        if back := from_reserve(ctx, skill):
-            log.info("round v%d: the merge leaves %s worse than the parent (%d tasks worse, %d better of %d): its "
-                     "delta(s) held in reserve for saturation are judged and merged in: %s", ctx.parent.version, skill,
-                     p.losses, p.wins, p.n, ", ".join(c.manifest.blob[:12] for c in back))
-            return [*accepted, *back]
-        culprit = costliest(accepted, ctx.measured, skill)
-        alone = ctx.measured.get(culprit.manifest.blob, {}).get(skill)
+        if skill in state.reserve:
+            back, judged = from_reserve(inputs, state.but(parent_scores=parent), skill)
+            if back:
+                log.info("round v%d: the merge leaves %s worse than the parent (%d tasks worse, %d better of %d): its "
+                         "delta(s) held in reserve for saturation are judged and merged in: %s", inputs.parent.version,
+                         skill, p.losses, p.wins, p.n, ", ".join(c.manifest.blob[:12] for c in back))
+                return GuardVerdict((*accepted, *back), restored=back, released=skill,
+                                    evidence=Evidence(parent_scores=fresh, measured=judged.measured), seconds=seconds)
+        else:
+            judged = Evidence()
+        culprit = costliest(accepted, {**state.measured, **judged.measured}, skill)
+        alone = {**state.measured, **judged.measured}.get(culprit.manifest.blob, {}).get(skill)
         alone_text = f"alone it changed {skill} by {alone.gain:+.1%}" if alone else "it was not measured alone"
         figures = {"merged_gain": p.gain, "p_worse": p.p_worse, "deltas": float(len(accepted)),
                    **({"alone_gain": alone.gain} if alone else {}),
                    **{k: v for k, v in culprit.figures.items() if k in ("gain", "p_better")}}
-        ctx.reject(culprit, self.name,
-                   f"the merge with it leaves {skill} worse than the parent: {p.losses} tasks worse, {p.wins} better "
-                   f"of {p.n} (accuracy {p.accuracy_before:.1%} -> {p.accuracy_after:.1%}, p={p.p_worse:.3g}); "
-                   f"{alone_text}, the most of the {len(accepted)} merged", figures,
-                   harmful=alone is not None and alone.gain < 0 and alone.p_worse <= alpha)
-        return [c for c in accepted if c is not culprit]
+        out = reject(inputs, culprit, self.name,
+                     f"the merge with it leaves {skill} worse than the parent: {p.losses} tasks worse, {p.wins} better "
+                     f"of {p.n} (accuracy {p.accuracy_before:.1%} -> {p.accuracy_after:.1%}, p={p.p_worse:.3g}); "
+                     f"{alone_text}, the most of the {len(accepted)} merged", figures,
+                     harmful=alone is not None and alone.gain < 0 and alone.p_worse <= alpha)
+        return GuardVerdict(tuple(c for c in accepted if c is not culprit), (out,),
+                            released=skill if skill in state.reserve else None,
+                            evidence=Evidence(parent_scores=fresh, measured=judged.measured), seconds=seconds)

@@ -19,8 +19,8 @@ which later lets that key's inconclusive deltas in on credit. After its other ch
 `copycat`, a delta whose cosine with a delta seen before it is `COPY_COSINE` or more (or that has the same blob), over
 every skill: a delta of this round seen earlier that passed the same checks, or one an earlier checkpoint of the history
 merged (by its blob, or by its file while this coordinator still holds it). "Before" is the order this coordinator
-first saw the manifests (`RoundContext.first_seen`), never the author's `created`, which it writes as it likes; deltas
-seen at the same time go to the key with the better reputation, then to the round's draw (`RoundContext.lot`). So only
+first saw the manifests (`RoundInputs.first_seen`), never the author's `created`, which it writes as it likes; deltas
+seen at the same time go to the key with the better reputation, then to the round's draw (`RoundInputs.lot`). So only
 the first publisher is credited, and near-copies among colluding keys count as one: the first seen stays, the others
 are out. A copy seen later than its original, or of a merged delta, is harmful (its key could only have copied); one
 seen at the same time as its original is not, since which of the two is the copy is then a draw, nor is a copy of its
@@ -43,8 +43,8 @@ from typing import Sequence
 
 from skillswarm.merge.screening import DeltaCandidate, consensus_cosines, norm_outlier, screen_deltas
 from skillswarm.node.rounds.admission import skill_norm_history
-from skillswarm.node.rounds.context import Candidate, RoundContext
-from skillswarm.node.rounds.reputation import reputation_of, reputations
+from skillswarm.node.rounds.reputation import Reputation, reputation_of, reputations
+from skillswarm.node.rounds.state import Candidate, Rejected, RoundInputs, RoundState, Verdict, reject
 
 CLAIM_TOLERANCE = 1e-3  # relative difference allowed between a manifest's norm and the file's
 # A delta at this cosine or above with one seen before it is a copy. A re-signed, re-encoded or rescaled copy is at
@@ -128,45 +128,50 @@ class Copycat:
     name: str = "copycat"
     threshold: float = COPY_COSINE
 
-    def __call__(self, ctx: RoundContext, candidates: list[Candidate]) -> list[Candidate]:
-        copies = self.find(ctx, candidates)
-        for c in candidates:
-            if id(c) in copies:
-                self.reject(ctx, c, copies[id(c)])
-        return [c for c in candidates if id(c) not in copies]
+    def __call__(self, inputs: RoundInputs, state: RoundState) -> Verdict:
+        return self.judge(inputs, state.candidates)
 
-    def reject(self, ctx: RoundContext, cand: Candidate, copy: Copy) -> None:
-        """Record `cand` as a copy, at this step."""
-        ctx.reject(cand, self.name, f"a copy (cosine {copy.cosine:.4f} >= {self.threshold:g}) of {copy.blob[:12]} "
-                                    f"by key {copy.author[:12]}, {copy.where}: no work of its own, so no weight and "
-                                    "no credit", {**cand.figures, "copy_cosine": copy.cosine}, harmful=copy.harmful)
+    def judge(self, inputs: RoundInputs, candidates: Sequence[Candidate]) -> Verdict:
+        """`candidates` less the copies among them, each rejected at this step (in `candidates`' order)."""
+        copies = self.find(inputs, candidates)
+        return Verdict(tuple(c for i, c in enumerate(candidates) if i not in copies),
+                       tuple(self.reject(inputs, c, copies[i]) for i, c in enumerate(candidates) if i in copies))
 
-    def order(self, ctx: RoundContext, candidates: list[Candidate]) -> list[Candidate]:
+    def reject(self, inputs: RoundInputs, cand: Candidate, copy: Copy) -> Rejected:
+        """`cand` out as a copy, at this step."""
+        return reject(inputs, cand, self.name, f"a copy (cosine {copy.cosine:.4f} >= {self.threshold:g}) of "
+                                               f"{copy.blob[:12]} by key {copy.author[:12]}, {copy.where}: no work of "
+                                               "its own, so no weight and no credit",
+                      {**cand.figures, "copy_cosine": copy.cosine}, harmful=copy.harmful)
+
+    def order(self, inputs: RoundInputs, candidates: Sequence[Candidate]) -> list[Candidate]:
         """`candidates` in the order this coordinator first saw them; at the same time, the better reputation first,
         then the round's draw."""
-        table = reputations(ctx.history, ctx.spec.trust.reputation_rounds)
-        return sorted(candidates, key=lambda c: (ctx.seen_at(c), -reputation_of(table, c.author).score,
-                                                 ctx.lot(c.author, c.manifest.blob)))
+        table = reputations(inputs.history, inputs.spec.trust.reputation_rounds)
+        return sorted(candidates, key=lambda c: _seen_rank(inputs, table, c))
 
-    def find(self, ctx: RoundContext, candidates: list[Candidate]) -> dict[int, Copy]:
-        """id(candidate) -> what it copied, for each copy among `candidates` (each has its file)."""
+    def find(self, inputs: RoundInputs, candidates: Sequence[Candidate]) -> dict[int, Copy]:
+        """Position in `candidates` -> what it copied, for each copy among `candidates` (each has its file)."""
         if not candidates:
             return {}
         merged: dict[str, tuple[int, str]] = {}  # blob -> (version, author) of the history's included deltas
-        for m in sorted(ctx.history, key=lambda m: m.version):
+        for m in sorted(inputs.history, key=lambda m: m.version):
             for d in m.included:
                 merged.setdefault(d.blob, (m.version, d.author))
-        order = self.order(ctx, candidates)
+        table = reputations(inputs.history, inputs.spec.trust.reputation_rounds)
+        order = sorted(range(len(candidates)), key=lambda i: _seen_rank(inputs, table, candidates[i]))
         paths: dict[str, Path] = {}  # blob -> file: this round's, then the merged ones still held here
-        for c in order:
+        for i in order:
+            c = candidates[i]
             assert c.path is not None
             paths.setdefault(c.manifest.blob, c.path)
         rows = len(paths)
-        held = [b for b in merged if b in paths or ctx.blobs.has(b)]  # merged deltas whose files are here
+        held = [b for b in merged if b in paths or inputs.blobs.has(b)]  # merged deltas whose files are here
         for b in held:
-            paths.setdefault(b, ctx.blobs.path(b))
+            paths.setdefault(b, inputs.blobs.path(b))
         at = {b: i for i, b in enumerate(paths)}
-        dots, squares = delta_dots(ctx.base_dir, list(paths.values()), rows) if len(paths) > 1 else ([[0.0]], [0.0])
+        dots, squares = delta_dots(inputs.base_dir, list(paths.values()), rows) if len(paths) > 1 else \
+            ([[0.0]], [0.0])
 
         def cosine(a: str, b: str) -> float:  # `a` one of this round's blobs
             if a == b:
@@ -177,26 +182,32 @@ class Copycat:
 
         out: dict[int, Copy] = {}
         seen: list[Candidate] = []
-        for c in order:
+        for i in order:
+            c = candidates[i]
             blob = c.manifest.blob
             if blob in merged:
                 version, author = merged[blob]
-                out[id(c)] = Copy(blob, author, f"merged in v{version}", 1.0, author != c.author)
+                out[i] = Copy(blob, author, f"merged in v{version}", 1.0, author != c.author)
             elif (match := next(((b, cos) for b in held if (cos := cosine(blob, b)) >= self.threshold), None)):
                 version, author = merged[match[0]]
-                out[id(c)] = Copy(match[0], author, f"merged in v{version}", match[1], author != c.author)
+                out[i] = Copy(match[0], author, f"merged in v{version}", match[1], author != c.author)
             elif (first := next(((e, cos) for e in seen if (cos := cosine(blob, e.manifest.blob)) >= self.threshold),
                                 None)):
                 e, cos = first
-                mine, theirs = ctx.seen_at(c), ctx.seen_at(e)
+                mine, theirs = inputs.seen_at(c), inputs.seen_at(e)
                 later = mine > theirs
                 where = (f"seen {mine - theirs:.3g} s before it" if later and math.isfinite(mine) else
                          "seen before it" if later else
                          "seen with it (the better reputation, then the round's draw, decided which came first)")
                 # a copy of its own key's delta is no theft (a resend), and at the same time which is the copy is a draw
-                out[id(c)] = Copy(e.manifest.blob, e.author, where, cos, later and e.author != c.author)
+                out[i] = Copy(e.manifest.blob, e.author, where, cos, later and e.author != c.author)
             seen.append(c)
         return out
+
+
+def _seen_rank(inputs: RoundInputs, table: dict[str, Reputation], c: Candidate) -> tuple:
+    """Where `c` stands in the order this coordinator saw the round's deltas (`Copycat.order`)."""
+    return (inputs.seen_at(c), -reputation_of(table, c.author).score, inputs.lot(c.author, c.manifest.blob))
 
 
 @dataclass
@@ -206,38 +217,44 @@ class Inspect:
     name: str = "inspect"
     copycat: Copycat | None = field(default_factory=Copycat)  # None: copies are not looked for
 
-    def __call__(self, ctx: RoundContext, candidates: list[Candidate]) -> list[Candidate]:
-        spec, parent = ctx.spec, ctx.parent
+    def __call__(self, inputs: RoundInputs, state: RoundState) -> Verdict:
+        spec, parent, candidates = inputs.spec, inputs.parent, state.candidates
+        rejected: list[Rejected] = []
         # keyed by position: two manifests may name one blob (a re-signed copy), and each is judged
-        screened = screen_deltas(ctx.base_dir, [DeltaCandidate(c.path, key=str(i), skill=c.skill,
-                                                               base_hash=c.manifest.base_hash)
-                                                for i, c in enumerate(candidates)],
+        screened = screen_deltas(inputs.base_dir, [DeltaCandidate(c.path, key=str(i), skill=c.skill,
+                                                                  base_hash=c.manifest.base_hash)
+                                                   for i, c in enumerate(candidates)],
                                  base_hash=parent.weights_hash, max_norm_ratio=None)
         for r in screened.rejected:
-            ctx.reject(candidates[int(r.candidate.key)], self.name, r.reason)
+            rejected.append(reject(inputs, candidates[int(r.candidate.key)], self.name, r.reason))
         passed = []
         for a in screened.accepted:
             c = candidates[int(a.candidate.key)]
-            c.norm = a.norm
-            c.figures["norm"] = a.norm
+            c = c.but(norm=a.norm, figures={**c.figures, "norm": a.norm})
             claimed = c.manifest.norm
             if abs(claimed - a.norm) > CLAIM_TOLERANCE * max(a.norm, 1e-12):
-                ctx.reject(c, self.name, f"its manifest claims norm {claimed:.6g}, the file's is {a.norm:.6g}")
+                rejected.append(reject(inputs, c, self.name,
+                                       f"its manifest claims norm {claimed:.6g}, the file's is {a.norm:.6g}"))
             elif c.manifest.codec not in (spec.codec, "lora"):  # a LoRA worker's adapter is its exact delta
-                ctx.reject(c, self.name, f"encoded with {c.manifest.codec}; the network's codec is {spec.codec}")
+                rejected.append(reject(inputs, c, self.name,
+                                       f"encoded with {c.manifest.codec}; the network's codec is {spec.codec}"))
             else:
                 passed.append(c)
         out = []
         for c in passed:
-            history = skill_norm_history(ctx.history, c.skill, spec.screen.history_rounds)
+            history = skill_norm_history(inputs.history, c.skill, spec.screen.history_rounds)
             why = norm_outlier(c.norm or 0.0, history, spec.screen.min_norm_ratio, spec.merge.max_norm_ratio)
             if why is None:
                 out.append(c)
             else:
-                ctx.reject(c, self.name, why, {**c.figures, "history_median": statistics.median(history)})
+                rejected.append(reject(inputs, c, self.name, why,
+                                       {**c.figures, "history_median": statistics.median(history)}))
         # copies last: only a delta that passed every other check may stand as the original a later copy is judged by
         # (a broken copy seen first would otherwise take its original out with it)
-        return out if self.copycat is None else self.copycat(ctx, out)
+        if self.copycat is None:
+            return Verdict(tuple(out), tuple(rejected))
+        copies = self.copycat.judge(inputs, out)
+        return Verdict(copies.passed, (*rejected, *copies.rejected))
 
 
 @dataclass
@@ -246,20 +263,23 @@ class Consensus:
 
     name: str = "consensus"
 
-    def __call__(self, ctx: RoundContext, candidates: list[Candidate]) -> list[Candidate]:
-        table = reputations(ctx.history, ctx.spec.trust.reputation_rounds)
-        out = []
+    def __call__(self, inputs: RoundInputs, state: RoundState) -> Verdict:
+        candidates = state.candidates
+        table = reputations(inputs.history, inputs.spec.trust.reputation_rounds)
+        out: list[Candidate] = []
+        rejected: list[Rejected] = []
         for skill in sorted({c.skill for c in candidates}):
             group = [c for c in candidates if c.skill == skill]
             say = [reputation_of(table, c.author).say for c in group]
-            cosines = consensus_cosines(ctx.base_dir, [c.path for c in group], say) if len(group) > 1 else [None]
+            cosines = consensus_cosines(inputs.base_dir, [c.path for c in group], say) if len(group) > 1 else [None]
             for c, cos, own in zip(group, cosines, say):
                 if cos is not None:
-                    c.figures["cosine"] = cos
+                    c = c.with_figures(cosine=cos)
                 outvoted = sum(say) - own > own  # the others carry more say than its own key
-                if cos is not None and cos < ctx.spec.screen.min_cosine and outvoted:
-                    ctx.reject(c, self.name, f"its direction disagrees with the skill's consensus of reputable keys "
-                                             f"(cosine {cos:.3f} < {ctx.spec.screen.min_cosine:g})")
+                if cos is not None and cos < inputs.spec.screen.min_cosine and outvoted:
+                    rejected.append(reject(inputs, c, self.name, f"its direction disagrees with the skill's consensus "
+                                                                 f"of reputable keys (cosine {cos:.3f} < "
+                                                                 f"{inputs.spec.screen.min_cosine:g})"))
                 else:
                     out.append(c)
-        return sorted(out, key=lambda c: c.manifest.blob)
+        return Verdict(tuple(sorted(out, key=lambda c: c.manifest.blob)), tuple(rejected))

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from skillswarm.node.rounds.context import NO_SHOW_FIGURE, Candidate, RoundContext
+from skillswarm.node.rounds.state import NO_SHOW_FIGURE, RoundInputs, RoundState, Verdict
 from skillswarm.protocol.records import CheckpointManifest, Rejection
 
 # Slot tiers (`slot_tier`): a round's slots go to keys with a record first, then to the others, absent keys last.
@@ -99,8 +99,6 @@ class Weigh:
 
     name: str = "weigh"
 
-    def __call__(self, ctx: RoundContext, candidates: list[Candidate]) -> list[Candidate]:
-        table = reputations(ctx.history, ctx.spec.trust.reputation_rounds)
-        for c in candidates:
-            c.weight = round(reputation_of(table, c.author).score, 6)
-        return candidates
+    def __call__(self, inputs: RoundInputs, state: RoundState) -> Verdict:
+        table = reputations(inputs.history, inputs.spec.trust.reputation_rounds)
+        return Verdict(tuple(c.but(weight=round(reputation_of(table, c.author).score, 6)) for c in state.candidates))

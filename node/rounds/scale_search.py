@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 import msgspec
 
-from skillswarm.node.rounds.context import RoundContext
 from skillswarm.node.rounds.paired import Paired, Scores
+from skillswarm.node.rounds.state import Merged, RoundInputs
 from skillswarm.protocol.records import MergePolicy
 
 log = logging.getLogger(__name__)
@@ -62,26 +62,26 @@ class ScaleSearch:
 
     name: str = "lambda"
 
-    def __call__(self, ctx: RoundContext, merge: Merge, out_dir: Path, delta_out: Path) -> Any:
-        """The merge written to `out_dir` / `delta_out`; `ctx.merge_policy` says the lambda it used and
-        `ctx.merged_scores` holds its first-look scores when they were measured."""
-        policy, scales = ctx.spec.merge, ctx.spec.merge.scales()
-        ctx.merge_policy, ctx.merged_scores = policy, {}
-        if len(scales) == 1 or ctx.spec.screen.eval_n == 0:
-            return merge(policy, out_dir, delta_out)
+    def __call__(self, inputs: RoundInputs, merge: Merge, out_dir: Path, delta_out: Path) -> Merged:
+        """The merge written to `out_dir` / `delta_out`, with the policy it used (the lambda kept) and, when the
+        search ran, its first-look scores and seconds."""
+        policy, scales = inputs.spec.merge, inputs.spec.merge.scales()
+        if len(scales) == 1 or inputs.spec.screen.eval_n == 0:
+            return Merged(merge(policy, out_dir, delta_out), policy)
         t0 = time.monotonic()
-        alpha = (1.0 - ctx.spec.screen.confidence) / (len(scales) - 1)
+        alpha = (1.0 - inputs.spec.screen.confidence) / (len(scales) - 1)
         # the merges are made one at a time and a losing one is deleted at once: at most two are on disk (the one
         # held and the one being tried), a checkpoint and a dense delta each, whatever the number of alternatives
-        reference = held = (policy.scale, out_dir, delta_out, merge(policy, out_dir, delta_out), ctx.first_look(out_dir))
+        reference = held = (policy.scale, out_dir, delta_out, merge(policy, out_dir, delta_out),
+                            inputs.first_look(out_dir))
         best_total = sum(r for r, _ in pooled(reference[4]))
         try:
             for i, scale in enumerate(scales[1:], 1):
                 d, f = _beside(out_dir, i), _beside(delta_out, i)
-                tried = (scale, d, f, merge(msgspec.structs.replace(policy, scale=scale), d, f), ctx.first_look(d))
+                tried = (scale, d, f, merge(msgspec.structs.replace(policy, scale=scale), d, f), inputs.first_look(d))
                 ok, t = wins_over(pooled(reference[4]), pooled(tried[4]), alpha)
-                log.info("round v%d: lambda %g against %g: %d tasks better, %d worse of %d (p=%.3g)", ctx.parent.version,
-                         scale, policy.scale, t.wins, t.losses, t.n, t.p_better)
+                log.info("round v%d: lambda %g against %g: %d tasks better, %d worse of %d (p=%.3g)",
+                         inputs.parent.version, scale, policy.scale, t.wins, t.losses, t.n, t.p_better)
                 if ok and (total := sum(r for r, _ in pooled(tried[4]))) > best_total:
                     held, tried, best_total = tried, held, total
                 _drop(tried[1], tried[2])  # the loser: the merge just tried, or the one it replaced
@@ -89,15 +89,11 @@ class ScaleSearch:
             if held is not reference:
                 d.rename(out_dir)
                 f.replace(delta_out)
-            ctx.merge_policy = msgspec.structs.replace(policy, scale=scale)
-            ctx.merged_scores = got
-            return result
+            return Merged(result, msgspec.structs.replace(policy, scale=scale), got, time.monotonic() - t0)
         except BaseException:
             for i in range(1, len(scales)):
                 _drop(_beside(out_dir, i), _beside(delta_out, i))
             raise
-        finally:
-            ctx.seconds[self.name] = ctx.seconds.get(self.name, 0.0) + time.monotonic() - t0
 
 
 def _drop(model_dir: Path, delta_file: Path) -> None:

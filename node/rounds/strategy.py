@@ -1,6 +1,7 @@
-"""A round strategy: the ordered screening steps, how accepted deltas become per-skill groups, the merge (at the
-lambda the search picks, checked by the merge guard), and the evaluation of the result. The coordinator runs one; a network that wants a stricter policy builds
-its own (other steps, other order, another weighting) without touching `coordinator.py`.
+"""A round strategy: the ordered screening steps, the merge of what they accept (at the lambda the search picks,
+checked by the merge guard), and the evaluation of the result. The strategy drives the round: it hands each step the
+round's inputs and state, and makes the next state from the step's verdict. The coordinator runs one; a network that
+wants a stricter policy builds its own (other steps, other order, another weighting) without touching `coordinator.py`.
 """
 
 from __future__ import annotations
@@ -10,19 +11,25 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
+from skillswarm.merge.rounds import round_merge
 from skillswarm.node.rounds.admission import Admission, Caps
-from skillswarm.node.rounds.context import Candidate, RoundContext, Step, first_layers
 from skillswarm.node.rounds.fetching import Fetch
 from skillswarm.node.rounds.guard import MergeGuard
 from skillswarm.node.rounds.inspection import Consensus, Inspect
 from skillswarm.node.rounds.reputation import Weigh
 from skillswarm.node.rounds.scale_search import Merge, ScaleSearch
+from skillswarm.node.rounds.state import Candidate, GuardVerdict, Merged, RoundInputs, RoundState, Step
 from skillswarm.node.rounds.usefulness import Usefulness
 from skillswarm.protocol.records import MergePolicy, SkillMetrics
 
 log = logging.getLogger(__name__)
+
+# the merge guard's call: the merge in a directory of the state's candidates, judged
+Guard = Callable[[RoundInputs, RoundState, Path], GuardVerdict]
+# the lambda search's call: merges by a policy it picks, to the checkpoint directory and merged-delta file given
+Search = Callable[[RoundInputs, Merge, Path, Path], Merged]
 
 
 def default_steps() -> list[Step]:
@@ -45,66 +52,65 @@ def evaluate_all(model_dir: Path, skills: list[str], n: int) -> dict[str, SkillM
 
 @dataclass
 class RoundStrategy:
-    """screen (the steps, in order) -> groups -> merge at the searched lambda, checked by the guard -> evaluate."""
+    """screen (the steps, in order) -> merge at the searched lambda, checked by the guard -> evaluate. It drives the
+    round: each step's verdict becomes the next state (`RoundState.after`), which the next step reads."""
 
     steps: list[Step] = field(default_factory=default_steps)
-    # takes out what the merge should not hold (MergeGuard's call); None: the merge of what screening accepted stands
-    guard: Callable[[RoundContext, list[Candidate], Path], list[Candidate]] | None = field(default_factory=MergeGuard)
+    # judges a merge and takes out what it should not hold (MergeGuard); None: the merge of what screening accepted
+    # stands
+    guard: Guard | None = field(default_factory=MergeGuard)
     evaluate: Callable[[Path, list[str], int], dict[str, SkillMetrics]] = evaluate_all
-    # picks the merge's lambda among the network's (ScaleSearch's call); None: the network's lambda
-    search: Callable[[RoundContext, Merge, Path, Path], Any] | None = field(default_factory=ScaleSearch)
+    # picks the merge's lambda among the network's (ScaleSearch); None: the network's lambda
+    search: Search | None = field(default_factory=ScaleSearch)
 
-    def screen(self, ctx: RoundContext, candidates: list[Candidate]) -> list[Candidate]:
-        """Run every step on what the previous one let through; each step's seconds go to `ctx.seconds`."""
+    def screen(self, inputs: RoundInputs, candidates: Sequence[Candidate],
+               state: RoundState | None = None) -> RoundState:
+        """Run every step on what the previous one let through, from `state` (default: a new round's) with
+        `candidates` to judge; each step's seconds go to the state's `seconds`."""
+        state = (state or RoundState()).but(candidates=tuple(candidates))
         for step in self.steps:
-            if not candidates:
+            if not state.candidates:
                 break
             t0 = time.monotonic()
-            candidates = step(ctx, candidates)
-            ctx.seconds[step.name] = ctx.seconds.get(step.name, 0.0) + time.monotonic() - t0
-            log.debug("round v%d: %d candidate(s) after %s", ctx.parent.version, len(candidates), step.name)
-        return candidates
+            verdict = step(inputs, state)
+            state = state.after(step.name, verdict, time.monotonic() - t0)
+            log.debug("round v%d: %d candidate(s) after %s", inputs.parent.version, len(state.candidates), step.name)
+        return state
 
-    def groups(self, accepted: list[Candidate]) -> dict[str, list[tuple[Path, float]]]:
-        """Accepted deltas by skill, each with its weight, in blob order (the order the merge sums them)."""
-        out: dict[str, list[tuple[Path, float]]] = {}
-        for c in sorted(accepted, key=lambda c: c.manifest.blob):
-            assert c.path is not None
-            out.setdefault(c.skill, []).append((c.path, c.weight))
-        return out
+    def merge(self, inputs: RoundInputs, deltas: Sequence[Candidate], policy: MergePolicy, out_dir: Path,
+              delta_out: Path, **options: Any) -> Any:
+        """The merge of `deltas` onto the parent by `policy` (a `merge.MergeResult`): the round's recipe,
+        `merge.round_merge`, which `--verify` recomputes from the manifest."""
+        return round_merge(inputs.base_dir, [c.to_merge() for c in deltas], policy, out_dir, seed=inputs.parent.version,
+                           delta_out=delta_out, base_hash=inputs.parent.weights_hash, progress=inputs.progress,
+                           **options)
 
-    def merge(self, ctx: RoundContext, groups: dict[str, list[tuple[Path, float]]], out_dir: Path, delta_out: Path,
-              policy: MergePolicy | None = None, **options: Any) -> Any:
-        """The merge of the groups onto the parent (a `merge.MergeResult`) by `policy`, default the network's."""
-        from skillswarm.merge import merge_checkpoint
-        from skillswarm.merge.deltas import dense_codec_for
-
-        return merge_checkpoint(ctx.base_dir, groups, policy or ctx.spec.merge, out_dir, seed=ctx.parent.version,
-                                delta_out=delta_out, delta_codec=dense_codec_for(ctx.base_dir),
-                                base_hash=ctx.parent.weights_hash, progress=ctx.progress, **options)
-
-    def merge_searched(self, ctx: RoundContext, accepted: list[Candidate], out_dir: Path, delta_out: Path,
-                       **options: Any) -> Any:
-        """Merge `accepted` at the lambda the search picks (`ctx.merge_policy` says which), or the network's."""
-        groups = self.groups(accepted)
-        options = {"first_layers": first_layers((c.skill, c.figures) for c in accepted), **options}
+    def merge_searched(self, inputs: RoundInputs, state: RoundState, out_dir: Path, delta_out: Path,
+                       **options: Any) -> tuple[Any, RoundState]:
+        """Merge `state.candidates` at the lambda the search picks, or the network's; the result, and the state with
+        the policy it used (`merge_policy`) and its first-look scores when the search measured them."""
+        accepted = state.candidates
         if self.search is None:
-            ctx.merge_policy, ctx.merged_scores = ctx.spec.merge, {}
-            return self.merge(ctx, groups, out_dir, delta_out, **options)
-        return self.search(ctx, lambda policy, d, f: self.merge(ctx, groups, d, f, policy=policy, **options),
-                           out_dir, delta_out)
+            policy = inputs.spec.merge
+            merged = Merged(self.merge(inputs, accepted, policy, out_dir, delta_out, **options), policy)
+        else:
+            merged = self.search(inputs, lambda policy, d, f: self.merge(inputs, accepted, policy, d, f, **options),
+                                 out_dir, delta_out)
+        return merged.result, state.after_merge(merged, getattr(self.search, "name", "lambda"))
 
-    def merge_guarded(self, ctx: RoundContext, accepted: list[Candidate], out_dir: Path, delta_out: Path,
-                      **options: Any) -> tuple[Any, list[Candidate]]:
-        """Merge `accepted` (at the searched lambda); while the guard changes what is merged (takes a delta out,
-        brings a reserve in), merge again. Returns the last merge's result and what it merged (None and [] when the
-        guard took out every delta)."""
-        while accepted:
-            result = self.merge_searched(ctx, accepted, out_dir, delta_out, **options)
-            kept = accepted if self.guard is None else self.guard(ctx, accepted, out_dir)
-            if [id(c) for c in kept] == [id(c) for c in accepted]:
-                return result, accepted
-            accepted = kept
+    def merge_guarded(self, inputs: RoundInputs, state: RoundState, out_dir: Path, delta_out: Path,
+                      **options: Any) -> tuple[Any, RoundState]:
+        """Merge `state.candidates` (at the searched lambda); while the guard changes what is merged (takes a delta
+        out, brings a reserve in), merge again. Returns the last merge's result (None when the guard took out every
+        delta) and the state, whose candidates are what that merge holds."""
+        while state.candidates:
+            result, state = self.merge_searched(inputs, state, out_dir, delta_out, **options)
+            if self.guard is None:
+                return result, state
+            before = [c.key for c in state.candidates]
+            state = state.after_guard(self.guard(inputs, state, out_dir), getattr(self.guard, "name", "guard"))
+            if [c.key for c in state.candidates] == before:
+                return result, state
             shutil.rmtree(out_dir, ignore_errors=True)
             delta_out.unlink(missing_ok=True)
-        return None, []
+        return None, state

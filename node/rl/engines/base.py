@@ -12,11 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, Protocol, Sequence
 
+from skillswarm.protocol.records import DEFAULT_ENGINE
+
 if TYPE_CHECKING:
     import torch
 
-ENGINES: tuple[str, ...] = ("hf", "vllm")
-DEFAULT_ENGINE = ENGINES[0]  # the one every setting defaults to: runs on CPU or GPU with no extra
+ENGINES: tuple[str, ...] = (DEFAULT_ENGINE, "vllm")
 FinishReason = Literal["stop", "length"]
 
 
