@@ -7,7 +7,7 @@ held-out tasks, beside the starting checkpoint on the same tasks. The first vari
 change of each skill is printed against the start and against that variant, so a worker-side change can be judged
 on what one round's delta costs the other skills (the saturated ones above all) without a whole demo.
 
-    .venv/bin/python bench/anchor_rounds.py --run runs/u2 --skill sort --version 2 \\
+    .venv/bin/python bench/anchor_rounds.py --run runs/demo1 --skill sort --version 2 \\
         --variant random:retain_fragile=0 --variant fragile:retain_fragile=0.5 --n 1000 --json
 """
 

@@ -32,7 +32,7 @@ def main() -> None:
     from rich.table import Table
 
     from skillswarm.node.rl.evaluation import evaluate
-    from skillswarm.node.rounds.paired import sign_test_p
+    from skillswarm.node.roles.rounds.paired import sign_test_p
     from skillswarm.protocol.errors import SkillswarmError
 
     solved: dict[Path, list[bool]] = {}

@@ -112,7 +112,7 @@ class Drill:
 
     def candidate(self, path: Path, skill: str, key: Any = None) -> Any:
         from skillswarm.merge.deltas import read_delta
-        from skillswarm.node.rounds import Candidate
+        from skillswarm.node.roles.rounds import Candidate
         from skillswarm.protocol.hashing import sha256_file
         from skillswarm.protocol.identity import Identity
         from skillswarm.protocol.records import DeltaManifest
@@ -128,9 +128,9 @@ class Drill:
         """Screen (the default steps, or only the old file checks), merge (under the guard when screened), evaluate
         every skill; the coordinator saw `candidates` in their order, one second apart. info["screened_in"] holds the
         keys of the candidates past the screening steps, before the guard."""
-        from skillswarm.node.rounds import RoundInputs, RoundStrategy
-        from skillswarm.node.rounds.guard import MergeGuard
-        from skillswarm.node.rounds.strategy import default_steps
+        from skillswarm.node.roles.rounds import RoundInputs, RoundStrategy
+        from skillswarm.node.roles.rounds.guard import MergeGuard
+        from skillswarm.node.roles.rounds.strategy import default_steps
         from skillswarm.protocol.transport.blobs import BlobStore
 
         steps = [s for s in default_steps() if s.name != "fetch"] if screened else [_OldScreen()]
@@ -176,7 +176,7 @@ class _OldScreen:
 
     def __call__(self, inputs: Any, state: Any) -> Any:
         from skillswarm.merge.screening import DeltaCandidate, screen_deltas
-        from skillswarm.node.rounds import Verdict
+        from skillswarm.node.roles.rounds import Verdict
 
         candidates = state.candidates
         r = screen_deltas(inputs.base_dir, [DeltaCandidate(c.path, key=c.manifest.blob, base_hash=c.manifest.base_hash)

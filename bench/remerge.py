@@ -5,11 +5,11 @@ round's parent with every `--merge` variant (by the round's recipe, `merge.round
 the layers the coordinator merged it), and each merge is evaluated greedily on the first `--eval-n` held-out
 tasks per skill, against the round's specialists (parent + that skill's delta alone, as its worker measured it):
 how much of each specialist's accuracy the merge keeps, per skill, summed and at the worst skill. `--lambdas`
-plays the coordinator's search (node/rounds/scale_search.py) on each round's own first-look tasks (its eval seed)
+plays the coordinator's search (node/roles/rounds/scale_search.py) on each round's own first-look tasks (its eval seed)
 and reports the lambda it would keep and what that merge scores on the held-out tasks, beside lambda 1's.
 
     .venv/bin/python bench/remerge.py --run runs/demo --merge ties=ties:density=0.3 --merge ties5=ties:density=0.5
-    .venv/bin/python bench/remerge.py --run runs/g1 --run runs/g2 --lambdas 1,1.25,1.5 --json
+    .venv/bin/python bench/remerge.py --run runs/demo1 --run runs/demo2 --lambdas 1,1.25,1.5 --json
 
 Figures are this machine's evaluation of the saved deltas; nothing is trained.
 """
@@ -78,7 +78,7 @@ def held_out(model: Path, skills: list[str], n: int, seed: int | None = None) ->
     """Per skill: accuracy on the first `n` held-out tasks and, with `seed`, rewards on that seed's tasks."""
     from skillswarm.node.rl.engines.hf import HFEngine
     from skillswarm.node.rl.evaluation import evaluate
-    from skillswarm.node.rounds.paired import scores
+    from skillswarm.node.roles.rounds.paired import scores
 
     engine = HFEngine.load(model)
     out: dict[str, Any] = {"accuracy": {s: evaluate(engine, s, n=n).accuracy for s in skills}}
@@ -102,7 +102,7 @@ def main() -> int:
     import torch
     from interference import parse_merge
 
-    from skillswarm.node.rounds.scale_search import choose, pooled
+    from skillswarm.node.roles.rounds.scale_search import choose, pooled
     from skillswarm.protocol.records import MergePolicy, ScreenPolicy
 
     torch.set_num_threads(1)

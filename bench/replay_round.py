@@ -12,9 +12,9 @@ The merged model is evaluated on the first `--n` held-out tasks per skill, and r
 With the run's own settings it reproduces the run's final checkpoint, so a coordinator-side change can be judged on
 saved runs without training anything.
 
-    .venv/bin/python bench/replay_round.py --run runs/h2 --run runs/h5 --screen-eval-n 1000 --json
-    .venv/bin/python bench/replay_round.py --run runs/g3 --accept-all
-    .venv/bin/python bench/replay_round.py --run runs/h3 --new-rules --density 0.5
+    .venv/bin/python bench/replay_round.py --run runs/demo1 --run runs/demo2 --screen-eval-n 1000 --json
+    .venv/bin/python bench/replay_round.py --run runs/demo1 --accept-all
+    .venv/bin/python bench/replay_round.py --run runs/demo1 --new-rules --density 0.5
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ def replay(run: Path, eval_n: int | None, confidence: float | None, accept_all: 
 
     from skillswarm.node.rl.engines.hf import HFEngine
     from skillswarm.node.rl.evaluation import evaluate
-    from skillswarm.node.rounds.state import Candidate, RoundInputs
-    from skillswarm.node.rounds.strategy import RoundStrategy, Weigh
-    from skillswarm.node.rounds.usefulness import Usefulness
+    from skillswarm.node.roles.rounds.state import Candidate, RoundInputs
+    from skillswarm.node.roles.rounds.strategy import RoundStrategy, Weigh
+    from skillswarm.node.roles.rounds.usefulness import Usefulness
     from skillswarm.protocol.netspec import load_spec
     from skillswarm.protocol.records import CheckpointManifest, ScreenPolicy
     from skillswarm.protocol.transport.blobs import BlobStore

@@ -166,13 +166,13 @@ def _served(dht: Any) -> int:
 
 def coordinator_main(conn: Connection, root: str, run_dir: str, rate: float) -> None:
     """(Child process) the coordinator: publish v0, then on "round" merge the deltas and publish v1."""
-    from skillswarm.node.coordinator import Coordinator
-    from skillswarm.node.rounds import RoundStrategy
-    from skillswarm.node.rounds.admission import Admission, Caps
-    from skillswarm.node.rounds.fetching import Fetch
-    from skillswarm.node.rounds.inspection import Inspect
-    from skillswarm.node.rounds.strategy import Weigh
-    from skillswarm.node.store import CheckpointStore
+    from skillswarm.node.roles.coordinator import Coordinator
+    from skillswarm.node.roles.rounds import RoundStrategy
+    from skillswarm.node.roles.rounds.admission import Admission, Caps
+    from skillswarm.node.roles.rounds.fetching import Fetch
+    from skillswarm.node.roles.rounds.inspection import Inspect
+    from skillswarm.node.roles.rounds.strategy import Weigh
+    from skillswarm.node.checkpoints.store import CheckpointStore
     from skillswarm.protocol.identity import Identity
     from skillswarm.protocol.netspec import load_spec
 
@@ -212,8 +212,8 @@ def worker_main(conn: Connection, root: str, run_dir: str, index: int, coord_mad
     import torch
 
     from skillswarm.merge.deltas import encode_delta
-    from skillswarm.node.pull import find_checkpoint, pull, share, wait_for_checkpoint
-    from skillswarm.node.store import CheckpointStore
+    from skillswarm.node.checkpoints.pull import find_checkpoint, pull, share, wait_for_checkpoint
+    from skillswarm.node.checkpoints.store import CheckpointStore
     from skillswarm.protocol.identity import Identity
     from skillswarm.protocol.netspec import load_spec
     from skillswarm.protocol.records import DeltaManifest

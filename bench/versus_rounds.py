@@ -5,7 +5,7 @@ Each checkpoint vN (the coordinator's copies) and each skill's first-round speci
 v0) play the first `--n` held-out tasks; per skill and version: both accuracies, the tasks each wins from the other,
 and the one-sided sign test p that the merge is worse ("at or above" unless p <= AT_OR_ABOVE_P).
 
-    .venv/bin/python bench/versus_rounds.py --run runs/n1 --run runs/n2 [--n 1000] [--json]
+    .venv/bin/python bench/versus_rounds.py --run runs/demo1 --run runs/demo2 [--n 1000] [--json]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def main() -> int:
     from remerge import demo_run
 
     from skillswarm.node.demo import versus_first_specialists
-    from skillswarm.node.retention import AT_OR_ABOVE_P
+    from skillswarm.node.demo.retention import AT_OR_ABOVE_P
 
     torch.set_num_threads(1)
     out: dict[str, dict] = {}

@@ -249,7 +249,7 @@ def read_delta(path: Path | str) -> DeltaFile:
     return DeltaFile(path)
 
 
-def _metadata(codec: str, params: Mapping[str, float], declared: Mapping[str, list], base_hash: str | None,
+def delta_metadata(codec: str, params: Mapping[str, float], declared: Mapping[str, list], base_hash: str | None,
               skill: str | None, peft_config: Mapping | None = None) -> dict[str, str]:
     md = {"format": FORMAT, "format_version": FORMAT_VERSION, "codec": codec,
           "codec_params": json.dumps(dict(params), sort_keys=True), "tensors": json.dumps(dict(declared), sort_keys=True)}
@@ -283,7 +283,7 @@ class _DeltaWriter:
             layout += parts
             declared[name] = [dtype, list(shape)]
         self.layout = {n: (d, s) for n, d, s in layout}
-        self.w = TensorFileWriter(f, layout, _metadata(codec, params, declared, base_hash, skill, peft_config))
+        self.w = TensorFileWriter(f, layout, delta_metadata(codec, params, declared, base_hash, skill, peft_config))
         self.sq_norm = SquareSum()
         self.sq_err = self.sq_ref = 0.0
         self.exact = True

@@ -26,7 +26,7 @@ import torch
 
 from skillswarm.merge.checkpoint import DEFAULT_SHARD_BYTES, Checkpoint, CheckpointWriter
 from skillswarm.merge.codecs import MERGED_DELTA_CODEC
-from skillswarm.merge.deltas import FLOAT_DTYPES, DeltaFile, DeltaInfo, _metadata
+from skillswarm.merge.deltas import FLOAT_DTYPES, DeltaFile, DeltaInfo, delta_metadata
 from skillswarm.merge.exact import SquareSum, cast, check_float_environment
 from skillswarm.merge.progress import progress_bar
 from skillswarm.merge.tensorfile import TensorFileWriter, dtype_name, row_chunks
@@ -97,7 +97,7 @@ class _MergedDelta:
 
     def __init__(self, f: IO[bytes], codec: str, layout: list, declared: dict, base_hash: str | None) -> None:
         self.codec = codec
-        self.w = TensorFileWriter(f, layout, _metadata(codec, {}, declared, base_hash, None))
+        self.w = TensorFileWriter(f, layout, delta_metadata(codec, {}, declared, base_hash, None))
         self.sq = SquareSum()
         self.n = len(layout)
         self.base_hash = base_hash

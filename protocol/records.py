@@ -217,7 +217,7 @@ class MergePolicy(_Part, kw_only=True):
     trim_fraction: Annotated[float, Meta(ge=0.0, lt=0.5)] = 0.1
     max_norm_ratio: Annotated[float, Meta(ge=1.0, le=1e6)] = 5.0  # reject norms above ratio * median
     # Other lambdas a coordinator merges a round at, keeping one only where it beats `lambda` significantly on the
-    # usefulness test's tasks (node/rounds/scale_search.py). UNSET, as in a network file written before this
+    # usefulness test's tasks (node/roles/rounds/scale_search.py). UNSET, as in a network file written before this
     # existed, encodes as nothing and searches nothing; `net init` and the demo write DEFAULT_LAMBDA_SEARCH.
     scale_search: Annotated[list[Annotated[float, Meta(gt=0.0, le=100.0)]], Meta(max_length=4)] | UnsetType = \
         msgspec.field(default=UNSET, name="lambda_search")
@@ -273,7 +273,7 @@ class ScreenPolicy(_Part, kw_only=True):
     saturated_at: Annotated[float, Meta(gt=0.0, le=1.0)] | UnsetType = UNSET
     # A delta whose own-skill test is inconclusive (not significantly better, not significantly worse), that costs
     # no other skill beyond `max_other_drop`, that changes at least CREDIT_MIN_CHANGE of its skill's tasks
-    # (node/rounds/usefulness.py), from a key with a record (reputation above a fresh key's) is merged on credit: it earns
+    # (node/roles/rounds/usefulness.py), from a key with a record (reputation above a fresh key's) is merged on credit: it earns
     # its key no reputation. A late round's honest gain is often too small to show on the
     # test's tasks, and each one left out is its skill's last gain lost. Fresh keys must show significance.
     # UNSET, as in every file written before these existed, encodes as nothing and keeps both rules off;

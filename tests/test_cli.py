@@ -42,7 +42,7 @@ def test_unknown_option_is_a_usage_error() -> None:
 
 
 def test_the_checkpoints_table_shows_the_lambda_each_merge_used() -> None:
-    from skillswarm.node.cli.net_inspect import _method
+    from skillswarm.node.cli.net_inspect_cmd import _method
 
     assert _method({"method": "ties", "params": {"lambda": 1.5, "density": 0.3}}) == "ties @ 1.5"
     assert _method({"method": "ties", "params": {}}) == "ties"  # a manifest that records no lambda

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from skillswarm.merge import compute_delta
-from skillswarm.node.store import CheckpointStore
+from skillswarm.node.checkpoints.store import CheckpointStore
 from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.protocol.transport.dht import SwarmDHT
 from skillswarm.protocol.identity import Identity

@@ -15,9 +15,9 @@ import torch
 from skillswarm.merge.checkpoint import Checkpoint
 from skillswarm.merge.deltas import encode_delta
 from skillswarm.merge.pipeline import is_float
-from skillswarm.node.rounds import Candidate, RoundInputs, RoundState, RoundStrategy, Verdict, default_steps
-from skillswarm.node.rounds.inspection import Inspect
-from skillswarm.node.rounds.reputation import reputations
+from skillswarm.node.roles.rounds import Candidate, RoundInputs, RoundState, RoundStrategy, Verdict, default_steps
+from skillswarm.node.roles.rounds.inspection import Inspect
+from skillswarm.node.roles.rounds.reputation import reputations
 from skillswarm.protocol.hashing import weights_hash
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.records import (CheckpointManifest, DeltaManifest, DeltaRef, FileEntry, NetworkSpec,
@@ -227,7 +227,7 @@ def test_the_default_round_rejects_copies_at_the_step_copycat(nano_model: Path, 
 
 
 def test_dot_products_do_not_depend_on_the_chunking(nano_model: Path, shapes, tmp_path: Path) -> None:
-    from skillswarm.node.rounds.inspection import delta_dots
+    from skillswarm.node.roles.rounds.inspection import delta_dots
 
     net = Net(nano_model, tmp_path)
     values = [_direction(shapes, 20 + i) for i in range(3)]

@@ -6,9 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from skillswarm.node.demo import DemoConfig, make_report, method_label, parse_method
-from skillswarm.node.retention import AT_OR_ABOVE_P, Versus
-from skillswarm.node.rounds.paired import sign_test_p
+from skillswarm.node.demo import DemoConfig
+from skillswarm.node.demo.compare import method_label, parse_method
+from skillswarm.node.demo.report import make_report
+from skillswarm.node.demo.retention import AT_OR_ABOVE_P, Versus
+from skillswarm.node.roles.rounds.paired import sign_test_p
 from skillswarm.protocol.errors import SkillswarmError
 from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, FileEntry, SkillMetrics, TrainStats
 

@@ -314,9 +314,9 @@ def test_honest_workers_and_coordinators_are_stored_and_read_back(boot: SwarmDHT
     worker.provide(sha, store=blobs)
     delta = DeltaManifest(network=NET, skill="rev", base_version=2, base_hash="a" * 64, blob=sha, size=15,
                           codec="dense_bf16", norm=1.0, num_tensors=1)
-    assert worker.put(delta, 86400, keep=True)  # node/worker.py DELTA_TTL
+    assert worker.put(delta, 86400, keep=True)  # node/roles/worker.py DELTA_TTL
     for v in (0, 1, 2):
-        assert coord.put(_checkpoint(coordinator, v), 86400, keep=True)  # node/coordinator.py MANIFEST_TTL
+        assert coord.put(_checkpoint(coordinator, v), 86400, keep=True)  # node/roles/coordinator.py MANIFEST_TTL
     me = worker.identity.public_key_hex
     assert me in {p.author for p in reader.get_peers()}
     assert [s.stats.steps for s in reader.get_skill_stats("rev")] == [3]

@@ -130,16 +130,16 @@ def test_expiration_beyond_a_kinds_lifetime_is_rejected() -> None:
     # Without a network file nobody is trusted: a checkpoint manifest lives an hour at most.
     assert validator.validate(_stored(_checkpoint(alice), ttl=3000))
     assert not validator.validate(_stored(_checkpoint(alice), ttl=7200))
-    # A coordinator of the network may keep its manifests a day (node/coordinator.py MANIFEST_TTL), not more.
+    # A coordinator of the network may keep its manifests a day (node/roles/coordinator.py MANIFEST_TTL), not more.
     trusting = OwnerSignatureValidator(policy=StorePolicy.from_spec(_spec(coordinators=[alice.public_key_hex])))
     assert trusting.validate(_stored(_checkpoint(alice), ttl=86400))
     assert not trusting.validate(_stored(_checkpoint(alice), ttl=2 * 86400))
 
 
 def test_the_lifetimes_nodes_use_are_within_the_caps() -> None:
-    from skillswarm.node.coordinator import MANIFEST_TTL
-    from skillswarm.node.pull import SHARE_TTL
-    from skillswarm.node.worker import DELTA_TTL, STATS_TTL
+    from skillswarm.node.roles.coordinator import MANIFEST_TTL
+    from skillswarm.node.checkpoints.pull import SHARE_TTL
+    from skillswarm.node.roles.worker import DELTA_TTL, STATS_TTL
 
     assert DELTA_TTL <= MAX_TTL["delta"] and STATS_TTL <= MAX_TTL["skill_stats"]
     assert MANIFEST_TTL <= MAX_TTL["checkpoint"] and max(SHARE_TTL, 600.0) <= MAX_TTL["provider"]

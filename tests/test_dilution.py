@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from skillswarm.node.rounds import Candidate, RoundInputs
-from skillswarm.node.rounds.paired import Scores
-from skillswarm.node.rounds.usefulness import no_dilution
+from skillswarm.node.roles.rounds import Candidate, RoundInputs
+from skillswarm.node.roles.rounds.paired import Scores
+from skillswarm.node.roles.rounds.usefulness import no_dilution
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, FileEntry, NetworkSpec
 from skillswarm.protocol.transport.blobs import BlobStore

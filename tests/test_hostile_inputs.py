@@ -319,11 +319,11 @@ def test_fuzzed_headers_raise_merge_error_and_nothing_else(valid_deltas: list[Pa
 def test_a_failed_worker_round_is_logged_and_retried_not_fatal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                caplog: pytest.LogCaptureFixture) -> None:
     """The first pull of a checkpoint raises (a corrupt blob, say): the worker logs why, pauses and tries again;
-    the second attempt trains and publishes its round. Failpoints kill the process (node/failpoints.py), so this
+    the second attempt trains and publishes its round. Failpoints kill the process (node/roles/failpoints.py), so this
     failure is injected where the loop calls pull."""
-    import skillswarm.node.worker as worker_mod
-    from skillswarm.node.store import CheckpointStore
-    from skillswarm.node.worker import Worker, WorkerOptions
+    import skillswarm.node.roles.worker as worker_mod
+    from skillswarm.node.checkpoints.store import CheckpointStore
+    from skillswarm.node.roles.worker import Worker, WorkerOptions
     from skillswarm.protocol.identity import Identity
     from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, NetworkSpec, RoundPolicy
     from skillswarm.protocol.transport.blobs import BlobStore
@@ -354,7 +354,7 @@ def test_a_failed_worker_round_is_logged_and_retried_not_fatal(tmp_path: Path, m
     monkeypatch.setattr(worker_mod, "pull", pull)
     monkeypatch.setattr(worker_mod, "share", lambda *a, **k: None)
     monkeypatch.setattr(worker, "train_round", train_round)
-    with caplog.at_level(logging.WARNING, logger="skillswarm.node.worker"):
+    with caplog.at_level(logging.WARNING, logger="skillswarm.node.roles.worker"):
         assert worker.run(threading.Event(), max_rounds=1) == 1
     assert pulls == [1, 1] and trained == [1]
     assert any("round v1 failed" in r.getMessage() and "header length 99" in r.getMessage() for r in caplog.records)
@@ -363,9 +363,9 @@ def test_a_failed_worker_round_is_logged_and_retried_not_fatal(tmp_path: Path, m
 
 
 def test_an_error_while_the_user_stops_the_worker_still_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import skillswarm.node.worker as worker_mod
-    from skillswarm.node.store import CheckpointStore
-    from skillswarm.node.worker import Worker, WorkerOptions
+    import skillswarm.node.roles.worker as worker_mod
+    from skillswarm.node.checkpoints.store import CheckpointStore
+    from skillswarm.node.roles.worker import Worker, WorkerOptions
     from skillswarm.protocol.identity import Identity
     from skillswarm.protocol.records import CheckpointManifest, NetworkSpec
     from skillswarm.protocol.transport.blobs import BlobStore
@@ -390,8 +390,8 @@ def test_an_error_while_the_user_stops_the_worker_still_raises(tmp_path: Path, m
 def test_a_rejection_reason_quoting_a_hostile_name_stays_one_encodable_line(tmp_path: Path) -> None:
     # a reason may quote what a hostile file or peer wrote: a lone surrogate would make the manifest unencodable, a
     # newline would break the one-line reason, and the coordinator could then publish no round at all
-    from skillswarm.node.rounds import Candidate, RoundInputs
-    from skillswarm.node.rounds.state import reject
+    from skillswarm.node.roles.rounds import Candidate, RoundInputs
+    from skillswarm.node.roles.rounds.state import reject
     from skillswarm.protocol.codec import encode_record
     from skillswarm.protocol.identity import Identity
     from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, FileEntry, NetworkSpec

@@ -169,8 +169,8 @@ def test_a_worker_trains_each_checkpoint_at_the_networks_learning_rate_schedule(
     import msgspec
 
     from skillswarm.node.rl.config import TrainConfig, WorkerSettings, default_of
-    from skillswarm.node.store import CheckpointStore
-    from skillswarm.node.worker import Worker, WorkerOptions
+    from skillswarm.node.checkpoints.store import CheckpointStore
+    from skillswarm.node.roles.worker import Worker, WorkerOptions
     from skillswarm.protocol.records import CheckpointManifest, NetworkSpec, RoundPolicy
     from skillswarm.protocol.transport.blobs import BlobStore
 
@@ -197,7 +197,7 @@ def test_a_worker_trains_each_checkpoint_at_the_networks_learning_rate_schedule(
 
 def test_net_init_and_the_demo_write_the_same_network_file(tmp_path: Path, tiny_model_dir: Path) -> None:
     """Both go through `new_network`: given the demo's settings, `net init` writes the demo's file."""
-    from skillswarm.node.demo import DESCRIPTION, NETWORK, DemoConfig, make_spec
+    from skillswarm.node.demo.config import DESCRIPTION, NETWORK, DemoConfig, make_spec
 
     key = tmp_path / "coordinator.key"
     cfg = DemoConfig(out=tmp_path / "demo", skills=["arith", "sort"])

@@ -153,8 +153,8 @@ def test_merge_delta_lora_writes_a_peft_adapter(runs: dict[str, Any], nano_model
 
 @pytest.mark.slow  # trains
 def test_a_network_of_another_codec_admits_adapters(runs: dict[str, Any], nano_model: Path, tmp_path: Path) -> None:
-    from skillswarm.node.rounds import Candidate, RoundInputs, RoundState
-    from skillswarm.node.rounds.inspection import Inspect
+    from skillswarm.node.roles.rounds import Candidate, RoundInputs, RoundState
+    from skillswarm.node.roles.rounds.inspection import Inspect
     from skillswarm.protocol.identity import Identity
     from skillswarm.protocol.records import CheckpointManifest, DeltaManifest, FileEntry, NetworkSpec, ScreenPolicy
     from skillswarm.protocol.transport.blobs import BlobStore

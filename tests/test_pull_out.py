@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from skillswarm.node.coordinator import genesis_manifest
-from skillswarm.node.pull import PULL_MARKER, export, pull, write_out
-from skillswarm.node.store import CheckpointStore, checkpoint_files
+from skillswarm.node.roles.coordinator import genesis_manifest
+from skillswarm.node.checkpoints.pull import PULL_MARKER, export, pull, write_out
+from skillswarm.node.checkpoints.store import CheckpointStore, checkpoint_files
 from skillswarm.protocol.errors import SkillswarmError
 from skillswarm.protocol.hashing import weights_hash
 from skillswarm.protocol.identity import Identity

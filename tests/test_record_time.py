@@ -78,7 +78,7 @@ def test_a_nodes_own_stale_record_is_re_signed_fresh_when_stored() -> None:
     me = Identity.generate()
     signer = OwnerSignatureValidator(me)
     old = _checkpoint(me, 4, created=time.time() - 3 * 86400)  # a version kept for days, re-stored as it was
-    expiration, signed = time.time() + 86400, []  # node/coordinator.py MANIFEST_TTL
+    expiration, signed = time.time() + 86400, []  # node/roles/coordinator.py MANIFEST_TTL
     for key, subkey in keys.locations(old):  # both places one put writes, signed one after the other
         unsigned = DHTRecord(DHTID.generate(source=key).to_bytes(), msgspec.msgpack.encode(subkey),
                              msgspec.msgpack.encode(encode_record(old)), expiration)
@@ -195,7 +195,7 @@ def test_an_honest_node_republishing_an_old_record_still_gets_it_stored(pair: tu
     host, coord = pair
     started = time.time()
     old = _checkpoint(coordinator, 7, created=started - 3 * 86400)  # a version a coordinator keeps for days
-    assert coord.put(old, ttl=86400)  # node/coordinator.py MANIFEST_TTL, re-stored as it was signed
+    assert coord.put(old, ttl=86400)  # node/roles/coordinator.py MANIFEST_TTL, re-stored as it was signed
     trusted = [coordinator.public_key_hex]
     [got] = [c for c in host.get_checkpoints(trusted=trusted) if c.version == 7]  # one, at both of its locations
     assert got.created >= started - 1 and got.weights_hash == old.weights_hash

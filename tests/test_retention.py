@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from skillswarm.node.retention import retention, retention_interval
+from skillswarm.node.demo.retention import retention, retention_interval
 
 
 def test_retention_is_the_share_of_the_gain_kept() -> None:

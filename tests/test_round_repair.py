@@ -16,9 +16,9 @@ from skillswarm.merge import merge_checkpoint
 from skillswarm.merge.deltas import DeltaInfo, encode_delta, read_delta
 from skillswarm.merge.recipe_params import in_first_layers
 from skillswarm.merge.rounds import RoundDelta, first_layers, included_deltas, round_merge
-from skillswarm.node.rounds import RoundState, RoundStrategy
-from skillswarm.node.rounds.state import clean_figures
-from skillswarm.node.rounds.usefulness import Usefulness
+from skillswarm.node.roles.rounds import RoundState, RoundStrategy
+from skillswarm.node.roles.rounds.state import clean_figures
+from skillswarm.node.roles.rounds.usefulness import Usefulness
 from skillswarm.protocol.codec import decode_record, encode_record
 from skillswarm.protocol.errors import MergeError, RecordError
 from skillswarm.protocol.hashing import weights_hash

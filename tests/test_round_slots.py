@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from skillswarm.merge.deltas import encode_delta
-from skillswarm.node.rounds import Candidate, RoundInputs, RoundState
-from skillswarm.node.rounds.admission import Caps
-from skillswarm.node.rounds.fetching import Fetch
-from skillswarm.node.rounds.reputation import Reputation, reputations
+from skillswarm.node.roles.rounds import Candidate, RoundInputs, RoundState
+from skillswarm.node.roles.rounds.admission import Caps
+from skillswarm.node.roles.rounds.fetching import Fetch
+from skillswarm.node.roles.rounds.reputation import Reputation, reputations
 from skillswarm.protocol.errors import BlobError
 from skillswarm.protocol.hashing import weights_hash
 from skillswarm.protocol.identity import Identity
@@ -165,8 +165,8 @@ def test_a_key_whose_blob_never_arrived_takes_the_slots_last(base: Path, tmp_pat
         more = _caps(_ctx(base, tmp_path, _spec(base, slots=len(fresh) + 3), seed, history=history), [*deltas, *fresh])
         assert expected < {c.author for c in more}  # the slots the others leave still go to them
 
-    from skillswarm.node.rounds.admission import slot_order
-    from skillswarm.node.rounds.reputation import TIER_ABSENT, is_no_show
+    from skillswarm.node.roles.rounds.admission import slot_order
+    from skillswarm.node.roles.rounds.reputation import TIER_ABSENT, is_no_show
 
     assert all(is_no_show(r) for r in rejected)
     table = reputations(history, 20)
@@ -177,7 +177,7 @@ def test_a_key_whose_blob_never_arrived_takes_the_slots_last(base: Path, tmp_pat
 
 
 def test_no_shows_never_lower_a_score_and_a_record_absorbs_a_blip(base: Path) -> None:
-    from skillswarm.node.rounds.reputation import TIER_ABSENT, TIER_OTHER, TIER_PROVEN, is_no_show
+    from skillswarm.node.roles.rounds.reputation import TIER_ABSENT, TIER_OTHER, TIER_PROVEN, is_no_show
 
     a, b = "a" * 64, "b" * 64
     gone = lambda who, i: Rejection(blob=f"{i:064x}", author=who, skill="sort", reason="blob unavailable",  # noqa: E731

@@ -11,14 +11,14 @@ import torch
 
 from skillswarm.merge.deltas import encode_delta
 from skillswarm.merge.rounds import round_merge
-from skillswarm.node.rounds import Candidate, GuardVerdict, RoundInputs, RoundState, RoundStrategy, Verdict
-from skillswarm.node.rounds.admission import Admission, Caps
-from skillswarm.node.rounds.inspection import Consensus, Inspect
-from skillswarm.node.rounds.reputation import Reputation, reputations
-from skillswarm.node.rounds.strategy import Weigh
-from skillswarm.node.rounds.paired import Paired, pocock_level, sign_test_p
-from skillswarm.node.rounds.state import reject
-from skillswarm.node.rounds.usefulness import _creditable, _undecided
+from skillswarm.node.roles.rounds import Candidate, GuardVerdict, RoundInputs, RoundState, RoundStrategy, Verdict
+from skillswarm.node.roles.rounds.admission import Admission, Caps
+from skillswarm.node.roles.rounds.inspection import Consensus, Inspect
+from skillswarm.node.roles.rounds.reputation import Reputation, reputations
+from skillswarm.node.roles.rounds.strategy import Weigh
+from skillswarm.node.roles.rounds.paired import Paired, pocock_level, sign_test_p
+from skillswarm.node.roles.rounds.state import reject
+from skillswarm.node.roles.rounds.usefulness import _creditable, _undecided
 from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.protocol.hashing import weights_hash
 from skillswarm.protocol.identity import Identity
@@ -120,7 +120,7 @@ def test_two_looks_test_at_pococks_nominal_level_and_pool_their_tasks() -> None:
 def test_credit_fills_in_only_for_a_skill_where_no_delta_showed_a_gain(base: Path, tmp_path: Path) -> None:
     """Averaged with a delta that showed a gain, one on credit would only dilute it: it is dropped there (not held
     against its key); a skill with no shown gain keeps its delta on credit."""
-    from skillswarm.node.rounds.usefulness import _credit_only_where_nothing_was_shown
+    from skillswarm.node.roles.rounds.usefulness import _credit_only_where_nothing_was_shown
 
     inputs = _inputs(base, tmp_path, _spec(base))
     shown, diluting, alone = (_delta(tmp_path, name, base, _values(seed), Identity.generate(), skill=skill)
@@ -305,7 +305,7 @@ def test_weights_follow_reputation_and_a_strategy_runs_its_steps_in_order(base: 
 
 def test_the_guard_finds_the_worst_significant_regression_and_the_delta_that_cost_it_most(base: Path,
                                                                                         tmp_path: Path) -> None:
-    from skillswarm.node.rounds.guard import costliest, worst_regression
+    from skillswarm.node.roles.rounds.guard import costliest, worst_regression
 
     level = 0.1 / 2
     merged = {"arith": Paired(10, 30, 300, 0.50, 0.4333),  # 20 more lost than won: p ~ 0.001
@@ -368,7 +368,7 @@ def test_merge_guarded_merges_again_without_each_delta_the_guard_takes_out(base:
 
 
 def test_the_lambda_search_keeps_an_alternative_only_on_significant_evidence() -> None:
-    from skillswarm.node.rounds.scale_search import choose
+    from skillswarm.node.roles.rounds.scale_search import choose
 
     reference = [(0.0, False)] * 100
     slightly = [(1.0, True)] * 6 + [(0.0, False)] * 94  # 6 tasks better, none worse: p = 1/64 > 0.01
@@ -387,8 +387,8 @@ def test_the_round_state_changes_only_by_the_verdicts_the_driver_folds_in(base: 
     takes a reserve's rejections back and releases it; and nothing a step is handed can be written to."""
     import dataclasses
 
-    from skillswarm.node.rounds import Evidence
-    from skillswarm.node.rounds.paired import Paired
+    from skillswarm.node.roles.rounds import Evidence
+    from skillswarm.node.roles.rounds.paired import Paired
 
     inputs = _inputs(base, tmp_path, _spec(base))
     key = Identity.generate()

@@ -65,8 +65,8 @@ def test_a_bad_settings_file_is_one_line_naming_the_file(tmp_path: Path, text: s
 
 def _run_node(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *args: str) -> Any:
     """`skillswarm node run ARGS` in this process with the network and the worker faked: the WorkerOptions it built."""
-    import skillswarm.node.session as session
-    import skillswarm.node.worker as worker
+    import skillswarm.node.network.session as session
+    import skillswarm.node.roles.worker as worker
     from typer.testing import CliRunner
 
     from skillswarm.node.cli.app import app
@@ -116,8 +116,8 @@ def test_node_run_takes_the_settings_file_and_flags_given_override_it(tmp_path: 
 
 
 def test_the_worker_trains_its_round_with_its_settings(tmp_path: Path) -> None:
-    from skillswarm.node.store import CheckpointStore
-    from skillswarm.node.worker import ROUND_EVAL_EVERY, ROUND_SAVE_EVERY, Worker, WorkerOptions
+    from skillswarm.node.checkpoints.store import CheckpointStore
+    from skillswarm.node.roles.worker import ROUND_EVAL_EVERY, ROUND_SAVE_EVERY, Worker, WorkerOptions
     from skillswarm.protocol.netspec import load_spec
     from skillswarm.protocol.transport.blobs import BlobStore
 

@@ -9,16 +9,16 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.logging import RichHandler
 
-from skillswarm.node.cli import (  # noqa: F401 (net_inspect adds `net` commands)
+from skillswarm.node.cli import (
     base_cmd,
     coordinator_cmd,
     demo_cmd,
     endpoint_cmd,
     eval_cmd,
-    ident,
+    id_cmd,
     merge_cmd,
-    net,
-    net_inspect,
+    net_cmd,
+    net_inspect_cmd,
     node_cmd,
     pull_cmd,
     report_cmd,
@@ -38,9 +38,10 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-app.add_typer(net.app, name="net")
+net_inspect_cmd.register(net_cmd.app)
+app.add_typer(net_cmd.app, name="net")
 app.add_typer(merge_cmd.app, name="merge")
-app.command("id")(ident.show_identity)
+app.command("id")(id_cmd.show_identity)
 app.add_typer(skills_cmd.app, name="skills")
 app.add_typer(base_cmd.app, name="base")
 app.command("eval")(eval_cmd.eval_cmd)

@@ -39,9 +39,9 @@ def run(
 ) -> None:
     """Collect, verify, screen and merge each round's deltas; evaluate every skill; publish the signed
     checkpoint. A coordinator killed mid-round restarts without publishing a version twice."""
-    from skillswarm.node.coordinator import Coordinator, MergeOptions, verify_checkpoint
-    from skillswarm.node.pull import find_checkpoint
-    from skillswarm.node.session import open_session, stop_on_signals
+    from skillswarm.node.roles.coordinator import Coordinator, MergeOptions, verify_checkpoint
+    from skillswarm.node.checkpoints.pull import find_checkpoint
+    from skillswarm.node.network.session import open_session, stop_on_signals
     from skillswarm.protocol.netspec import load_spec
     from skillswarm.skills.registry import check_network
 
@@ -76,7 +76,7 @@ def run(
                 raise typer.Exit(3)
             return
 
-        from skillswarm.node.tracking import open_trackers, send
+        from skillswarm.node.rl.tracking import open_trackers, send
 
         trackers = open_trackers(report_to or [], s.store.root / "tracking", f"coordinator-{s.spec.network}",
                                  {"network": s.spec.network, "skills": list(s.spec.skills)})

@@ -61,7 +61,8 @@ def demo_cmd(
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from skillswarm.node.cli.base_cmd import build_with_progress
-    from skillswarm.node.demo import parse_method, run_demo
+    from skillswarm.node.demo import run_demo
+    from skillswarm.node.demo.compare import parse_method
 
     skills = skill or list(DEMO_SKILLS)
     cfg = DemoConfig(out=out.resolve(), skills=skills, rounds=rounds, steps_per_round=steps_per_round,

@@ -46,13 +46,13 @@ def serve_cmd(
 
     Every call is recorded with its exact token ids and sampling logprobs; rewards come from POST
     /v1/feedback or, with --skill, from the skill's rubric. Closed groups land in STORE/groups.jsonl."""
-    from skillswarm.node.cli.eval_cmd import _default_model
+    from skillswarm.node.cli.eval_cmd import default_model
     from skillswarm.node.endpoint.serve import build_service, serve_forever
 
     if host not in ("127.0.0.1", "localhost", "::1") and not (api_key or os.environ.get("SKILLSWARM_API_KEY")):
         err_console.print(f"[yellow]warning:[/] listening on {escape(host)} without --api-key: anyone who can reach "
                           "this port can use the model and write rewards", highlight=False)
-    model_dir = model if model is not None else _default_model()
+    model_dir = model if model is not None else default_model()
     limits = StoreLimits(deadline_s=deadline, group_idle_s=group_idle)
     service = build_service(model_dir, store, name=name, skill=skill, engine=engine, limits=limits, max_batch=max_batch,
                             max_new_tokens=max_new_tokens)
@@ -84,10 +84,10 @@ def ingest_cmd(
     json_out: JsonOpt = False,
 ) -> None:
     """Add logged traces with scores to a trajectory store, for `train --skill external:NAME --store STORE`."""
-    from skillswarm.node.cli.eval_cmd import _default_model
+    from skillswarm.node.cli.eval_cmd import default_model
     from skillswarm.node.endpoint.ingest import ingest
 
-    model_dir = model if model is not None else _default_model()
+    model_dir = model if model is not None else default_model()
     result = ingest(file, store, model_dir, name, temperature)
     data = {"store": str(store), "name": name, "trajectories": result.trajectories, "groups": result.groups,
             "single_trajectory_groups": result.single_groups, "logprobs_from_model": result.scored_with_model}

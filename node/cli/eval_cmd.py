@@ -13,7 +13,7 @@ from skillswarm.node.cli.common import JsonOpt, console, err_console, fail, prin
 from skillswarm.node.rl.config import EVAL_N
 
 
-def _default_model() -> Path:
+def default_model() -> Path:
     from skillswarm.node.cli.base_cmd import build_with_progress
     from skillswarm.skills.nano.build import default_model_dir, is_built
 
@@ -40,7 +40,7 @@ def eval_cmd(
     from skillswarm.skills.registry import get_skill
 
     sk = get_skill(skill)
-    model_dir = model if model is not None else _default_model()
+    model_dir = model if model is not None else default_model()
     engine = HFEngine.load(model_dir)
     if engine.device.type == "cpu":
         torch.set_num_threads(threads or auto_threads(engine.model))

@@ -100,7 +100,7 @@ def run(
     """Merge fine-tuned models (--model) or deltas (--delta) onto a base, or follow a --recipe."""
     from skillswarm.merge.recipe import load_recipe, plan_recipe
     from skillswarm.merge.streaming import MergeInput, MergeSpec, merge_deltas
-    from skillswarm.node.hub import resolve_model
+    from skillswarm.node.checkpoints.hub import resolve_model
 
     options: dict[str, Any] = {}
     if recipe is not None:

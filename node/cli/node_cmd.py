@@ -47,8 +47,8 @@ def run(
     """Join the network, pull the latest trusted checkpoint, train rounds of GRPO on SKILL and publish
     each round's delta. Ctrl-C finishes the current step and exits cleanly; a restart resumes."""
     from skillswarm.node.rl.config import load_settings, override
-    from skillswarm.node.session import open_session, stop_on_signals
-    from skillswarm.node.worker import Worker, WorkerOptions
+    from skillswarm.node.network.session import open_session, stop_on_signals
+    from skillswarm.node.roles.worker import Worker, WorkerOptions
     from skillswarm.protocol.netspec import load_spec
     from skillswarm.skills.registry import check_network
 

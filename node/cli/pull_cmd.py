@@ -31,8 +31,8 @@ def pull_cmd(
     PEFT adapter directory instead (adapter_config.json, adapter_model.safetensors, manifest.msgpack).
     OUT must be new, empty, or an earlier pull, which is replaced (pull never deletes what it did not write)."""
     from skillswarm.merge.codecs import DEFAULT_PARAMS
-    from skillswarm.node.pull import check_out, export, find_checkpoint, pull, write_out
-    from skillswarm.node.session import open_session
+    from skillswarm.node.checkpoints.pull import check_out, export, find_checkpoint, pull, write_out
+    from skillswarm.node.network.session import open_session
     from skillswarm.protocol.errors import SkillswarmError
 
     if rank is not None and not adapter:

@@ -16,7 +16,7 @@ def report_cmd(
     json_out: JsonOpt = False,
 ) -> None:
     """Plot a training run's metrics: reward, held-out accuracy, staleness and outcome counts."""
-    from skillswarm.node.report import summarize_run, write_report
+    from skillswarm.node.rl.report import summarize_run, write_report
 
     paths = write_report(run_dir, out)
     data = summarize_run(run_dir)

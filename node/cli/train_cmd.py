@@ -70,11 +70,11 @@ def train_cmd(
 ) -> None:
     """Train a model on one skill with GRPO (async by default); writes OUT/model and OUT/delta.safetensors
     (with --lora also OUT/adapter, a PEFT adapter directory)."""
-    from skillswarm.node.cli.eval_cmd import _default_model
+    from skillswarm.node.cli.eval_cmd import default_model
     from skillswarm.node.endpoint.training import endpoint_source
     from skillswarm.node.rl.run import train
 
-    cfg = config_from(ctx, TrainConfig, model_dir=model if model is not None else _default_model(),
+    cfg = config_from(ctx, TrainConfig, model_dir=model if model is not None else default_model(),
                       codec=codec or ("lora" if lora else default_of(TrainConfig, "codec")),
                       retain_skills=tuple(retain_skills or ()), report_to=tuple(report_to or ()))
     if not json_out:

@@ -12,11 +12,14 @@ model and its delta (`run.train`). What each module holds:
     records       recorded trajectories (what the recording endpoint writes) and a trajectory store's files
     store_source  a store's scored groups as batches (`--skill external:NAME --store DIR`)
     grpo          the loss math as pure functions
+    anchor        anchor episodes: the starting policy's own right answers on the network's other skills (retain)
     trainer       groups in, one optimizer step out (full or LoRA)
     evaluation    held-out evaluation of a model or engine on a skill
     rundir        the run directory: settings, run checkpoints, the metrics log
+    tracking      the metrics log also sent to TensorBoard or Weights & Biases (`--report-to`)
     outputs       a run's outputs: the trained model, its delta, a LoRA run's PEFT adapter, stats
     adapter       PEFT adapters out of full weights (rank-r SVD of a checkpoint against its base)
     run           the run loop: train(TrainConfig) -> TrainResult (a run that plays against the recording
                   endpoint is handed its source by the caller: `endpoint_source`)
+    report        PNG plots of a finished run from its metrics log (`skillswarm report`)
 """

@@ -189,7 +189,7 @@ class TrainConfig:
         """Raise TrainError on settings that cannot work, saying which and why."""
         from skillswarm.node.rl.engines import ENGINES, check_engine
         from skillswarm.node.rl.verifiers_check import verifiers_problems
-        from skillswarm.node.tracking import check_trackers
+        from skillswarm.node.rl.tracking import check_trackers
         from skillswarm.skills.registry import skill_names
 
         problems = []

@@ -37,7 +37,7 @@ from skillswarm.node.rl.rundir import METRICS, MetricsLog, load_checkpoint, prep
 from skillswarm.node.rl.sources import GeneratorSpec, Mailbox, ProcessSource, SyncSource, ThreadSource, model_threads
 from skillswarm.node.rl.trainer import Trainer
 from skillswarm.node.rl.verifiers_check import VERIFIERS_PREFIX
-from skillswarm.node.tracking import open_trackers
+from skillswarm.node.rl.tracking import open_trackers
 from skillswarm.protocol.errors import TrainError
 from skillswarm.protocol.records import TrainStats
 

@@ -112,7 +112,7 @@ def read_metrics(path: Path | str) -> list[dict[str, Any]]:
 
 
 class MetricsLog:
-    """Append-only JSONL writer; every record also goes to the run's trackers (`skillswarm.node.tracking`)."""
+    """Append-only JSONL writer; every record also goes to the run's trackers (`skillswarm.node.rl.tracking`)."""
 
     def __init__(self, path: Path | str, trackers: Sequence[Any] = ()) -> None:
         self.path = Path(path)
@@ -126,7 +126,7 @@ class MetricsLog:
         self._f.write(json.dumps(clean, sort_keys=True) + "\n")
         self._f.flush()
         if self.trackers:
-            from skillswarm.node.tracking import send
+            from skillswarm.node.rl.tracking import send
 
             send(self.trackers, clean)
 

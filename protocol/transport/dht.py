@@ -352,7 +352,7 @@ class SwarmDHT:
 
     def get_deltas(self, base_version: int) -> list[DeltaManifest]:
         """Every DeltaManifest trained on checkpoint `base_version`, in blob order (not by `created`, which each
-        author writes as it likes: a round orders its deltas itself, node/rounds/admission.py)."""
+        author writes as it likes: a round orders its deltas itself, node/roles/rounds/admission.py)."""
         return sorted(self._records([deltas_key(self._net, base_version)], DeltaManifest),
                       key=lambda r: (r.blob, r.author))
 

@@ -46,10 +46,10 @@ _DOMAIN = b"skillswarm/dht-value/v1\x00"
 # after its record's `created` (so a record older than this is stale), however often it is re-stored.
 MAX_TTL: dict[str, float] = {
     "peer": 600.0,  # heartbeats live 3 beats (30 s by default); 600 s allows beats up to 200 s apart
-    "skill_stats": 600.0,  # workers re-put them while training, with a 300 s lifetime (node/worker.py)
+    "skill_stats": 600.0,  # workers re-put them while training, with a 300 s lifetime (node/roles/worker.py)
     "provider": 3600.0,  # re-announced every ttl/3; nodes use 120-600 s
-    "delta": 86400.0,  # workers keep deltas 24 h (node/worker.py DELTA_TTL)
-    "checkpoint": 86400.0,  # coordinators keep manifests 24 h, re-stored every 8 h (node/coordinator.py)
+    "delta": 86400.0,  # workers keep deltas 24 h (node/roles/worker.py DELTA_TTL)
+    "checkpoint": 86400.0,  # coordinators keep manifests 24 h, re-stored every 8 h (node/roles/coordinator.py)
 }
 # A peer without a network file cannot tell a trusted coordinator from anyone else, so the checkpoint
 # manifests it keeps live at most this long (an untrusted manifest cannot squat in the DHT for a day).

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from skillswarm.node.rounds.state import NO_SHOW_FIGURE, Candidate, Rejected, RoundInputs, RoundState, Verdict, reject
+from skillswarm.node.roles.rounds.state import NO_SHOW_FIGURE, Candidate, Rejected, RoundInputs, RoundState, Verdict, reject
 
 MAX_PARALLEL = 4  # downloads at once: enough to hide one slow provider, few enough for a home uplink
 

@@ -19,9 +19,9 @@ values). In data-flow order:
 `coordinator.py` collects the round's manifests, runs a RoundStrategy, and commits and publishes.
 """
 
-from skillswarm.node.rounds.state import (Candidate, Evidence, GuardVerdict, Merged, Rejected, RoundInputs, RoundState,
+from skillswarm.node.roles.rounds.state import (Candidate, Evidence, GuardVerdict, Merged, Rejected, RoundInputs, RoundState,
                                           Step, Verdict)
-from skillswarm.node.rounds.strategy import RoundStrategy, default_steps, evaluate_all
+from skillswarm.node.roles.rounds.strategy import RoundStrategy, default_steps, evaluate_all
 
 __all__ = ["Candidate", "Evidence", "GuardVerdict", "Merged", "Rejected", "RoundInputs", "RoundState", "RoundStrategy",
            "Step", "Verdict", "default_steps", "evaluate_all"]

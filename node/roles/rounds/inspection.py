@@ -42,9 +42,9 @@ from pathlib import Path
 from typing import Sequence
 
 from skillswarm.merge.screening import DeltaCandidate, consensus_cosines, norm_outlier, screen_deltas
-from skillswarm.node.rounds.admission import skill_norm_history
-from skillswarm.node.rounds.reputation import Reputation, reputation_of, reputations
-from skillswarm.node.rounds.state import Candidate, Rejected, RoundInputs, RoundState, Verdict, reject
+from skillswarm.node.roles.rounds.admission import skill_norm_history
+from skillswarm.node.roles.rounds.reputation import Reputation, reputation_of, reputations
+from skillswarm.node.roles.rounds.state import Candidate, Rejected, RoundInputs, RoundState, Verdict, reject
 
 CLAIM_TOLERANCE = 1e-3  # relative difference allowed between a manifest's norm and the file's
 # A delta at this cosine or above with one seen before it is a copy. A re-signed, re-encoded or rescaled copy is at

@@ -1,6 +1,6 @@
 """The coordinator role: each round, collect the deltas trained on the current checkpoint, screen them
 through the network's round strategy (manifest checks, caps, fetch, file checks, consensus, usefulness,
-weights: `node/rounds/`), merge what passes (robustly within a skill, then across skills with the network's
+weights: `node/roles/rounds/`), merge what passes (robustly within a skill, then across skills with the network's
 method; the merge guard takes a delta out and merges again while a skill ends worse than the parent),
 evaluate every skill on the result, and publish checkpoint V+1 with a signed manifest that lists
 every inclusion and rejection with its figures.
@@ -36,11 +36,11 @@ import msgspec
 
 from skillswarm.merge.rounds import RoundDelta, included_deltas, round_merge
 from skillswarm.merge.screening import short_reason
-from skillswarm.node import failpoints
-from skillswarm.node.pull import find_checkpoint, local_base, pull, share
+from skillswarm.node.roles import failpoints
+from skillswarm.node.checkpoints.pull import find_checkpoint, local_base, pull, share
 from skillswarm.node.rl.config import EVAL_N
-from skillswarm.node.rounds import Candidate, RoundInputs, RoundStrategy, evaluate_all
-from skillswarm.node.store import CheckpointStore, checkpoint_files, link_or_copy, with_trees
+from skillswarm.node.roles.rounds import Candidate, RoundInputs, RoundStrategy, evaluate_all
+from skillswarm.node.checkpoints.store import CheckpointStore, checkpoint_files, link_or_copy, with_trees
 from skillswarm.protocol.codec import encode_record
 from skillswarm.protocol.errors import RecordError, SkillswarmError, SpecError
 from skillswarm.protocol.hashing import weights_hash

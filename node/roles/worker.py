@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from skillswarm.node.pull import pull, share, wait_for_checkpoint
+from skillswarm.node.checkpoints.pull import pull, share, wait_for_checkpoint
 from skillswarm.node.rl.config import TrainConfig, WorkerSettings
-from skillswarm.node.store import CheckpointStore, round_dir
+from skillswarm.node.checkpoints.store import CheckpointStore, round_dir
 from skillswarm.protocol.atomic import atomic_write_text
 from skillswarm.protocol.codec import decode_record, encode_record
 from skillswarm.protocol.errors import RecordError, SkillswarmError, SpecError

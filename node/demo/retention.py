@@ -134,7 +134,7 @@ def versus_specialists(checkpoints: dict[int, Path], specialists: dict[str, Path
     import functools
 
     from skillswarm.node.rl.engines.hf import HFEngine
-    from skillswarm.node.rounds.paired import sign_test_p
+    from skillswarm.node.roles.rounds.paired import sign_test_p
 
     first = {skill: _played(solved, path, skill, n, lambda path=path: path) for skill, path in specialists.items()}
     out: dict[str, list[Versus]] = {skill: [] for skill in specialists}

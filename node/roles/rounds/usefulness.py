@@ -39,9 +39,9 @@ from typing import Mapping
 from msgspec import UNSET
 
 from skillswarm.merge.recipe_params import in_first_layers
-from skillswarm.node.rounds.paired import Paired, Scores, pocock_level, scores
-from skillswarm.node.rounds.reputation import reputation_of, reputations
-from skillswarm.node.rounds.state import Candidate, Evidence, Rejected, RoundInputs, RoundState, Verdict, reject
+from skillswarm.node.roles.rounds.paired import Paired, Scores, pocock_level, scores
+from skillswarm.node.roles.rounds.reputation import reputation_of, reputations
+from skillswarm.node.roles.rounds.state import Candidate, Evidence, Rejected, RoundInputs, RoundState, Verdict, reject
 
 log = logging.getLogger(__name__)
 

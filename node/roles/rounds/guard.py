@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from skillswarm.node.rounds.paired import Paired
-from skillswarm.node.rounds.reputation import Weigh
-from skillswarm.node.rounds.state import Candidate, Evidence, GuardVerdict, RoundInputs, RoundState, reject
-from skillswarm.node.rounds.usefulness import Usefulness
+from skillswarm.node.roles.rounds.paired import Paired
+from skillswarm.node.roles.rounds.reputation import Weigh
+from skillswarm.node.roles.rounds.state import Candidate, Evidence, GuardVerdict, RoundInputs, RoundState, reject
+from skillswarm.node.roles.rounds.usefulness import Usefulness
 
 log = logging.getLogger(__name__)
 

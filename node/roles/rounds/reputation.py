@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from skillswarm.node.rounds.state import NO_SHOW_FIGURE, RoundInputs, RoundState, Verdict
+from skillswarm.node.roles.rounds.state import NO_SHOW_FIGURE, RoundInputs, RoundState, Verdict
 from skillswarm.protocol.records import CheckpointManifest, Rejection
 
 # Slot tiers (`slot_tier`): a round's slots go to keys with a record first, then to the others, absent keys last.

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from skillswarm.node.store import CheckpointStore, checkpoint_files, verify_dir
+from skillswarm.node.checkpoints.store import CheckpointStore, checkpoint_files, verify_dir
 from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.protocol.errors import BlobError, HashMismatchError, NetworkError, SkillswarmError
 from skillswarm.protocol.records import CheckpointManifest, NetworkSpec

@@ -61,7 +61,7 @@ def _resolve_base(model: str, revision: str | None) -> str:
             return weights_hash(path)
         except FileNotFoundError as e:
             fail(f"{e}; --model must be a Hugging Face model directory with safetensors weights")
-    from skillswarm.node.hub import resolve_model
+    from skillswarm.node.checkpoints.hub import resolve_model
 
     ref = f"{model}@{revision}" if revision else model
     return weights_hash(resolve_model(ref, "--model", patterns=["*.safetensors", "*.json"]))
@@ -178,7 +178,7 @@ PeersOpt = Annotated[
 NetworkOpt = Annotated[Path, typer.Option("--network", help="Network file.")]
 
 
-def _join_peers(spec: NetworkSpec, peers: list[str] | None) -> list[str]:
+def join_peers(spec: NetworkSpec, peers: list[str] | None) -> list[str]:
     joined = list(peers or spec.bootstrap)
     if not joined:
         fail(f"no peer to join network `{spec.network}`: pass --peers MADDR (from `skillswarm net serve`) "
@@ -186,7 +186,7 @@ def _join_peers(spec: NetworkSpec, peers: list[str] | None) -> list[str]:
     return joined
 
 
-def _ago(seconds: float) -> str:
+def ago(seconds: float) -> str:
     seconds = max(0.0, seconds)
     return f"{seconds:.0f} s ago" if seconds < 120 else f"{seconds / 60:.0f} min ago" if seconds < 7200 else f"{seconds / 3600:.0f} h ago"
 
@@ -201,13 +201,13 @@ def _short(peer_id: str) -> str:
     return f"{peer_id[:10]}…{peer_id[-6:]}"
 
 
-def _observer(spec: NetworkSpec, peers: list[str] | None):
+def observer(spec: NetworkSpec, peers: list[str] | None):
     """A short-lived client-mode peer with a throwaway key (never the node's own: two peers with one
     identity on one network confuse libp2p), which accepts only what the network admits."""
     from skillswarm.protocol.transport.dht import SwarmDHT
     from skillswarm.protocol.transport.validation import StorePolicy
 
-    return SwarmDHT(spec.network, Identity.generate(), host="0.0.0.0", initial_peers=_join_peers(spec, peers),
+    return SwarmDHT(spec.network, Identity.generate(), host="0.0.0.0", initial_peers=join_peers(spec, peers),
                     client_mode=True, policy=StorePolicy.from_spec(spec))
 
 
@@ -276,10 +276,10 @@ def peers_cmd(
     """Join briefly and list the nodes online: peer id, role, skills, engine, hardware, last seen."""
     import time
 
-    from skillswarm.node.network_view import peers_view
+    from skillswarm.node.network.view import peers_view
 
     spec = load_spec(network)
-    with _observer(spec, peers) as dht:
+    with observer(spec, peers) as dht:
         found = dht.get_peers()
         view = peers_view(dht, spec)
     now = time.time()
@@ -287,7 +287,7 @@ def peers_cmd(
         print_json(view)
         return
     rows = [[_short(p.peer_id), p.role, ", ".join(p.skills) or "-", p.engine, _hardware(p.hardware),
-             "-" if p.checkpoint_version is None else p.checkpoint_version, p.state, _ago(now - p.created)] for p in found]
+             "-" if p.checkpoint_version is None else p.checkpoint_version, p.state, ago(now - p.created)] for p in found]
     console.print(table(f"{len(found)} peers online in {spec.network}",
                         ["peer id", "role", "skills", "engine", "hardware", "version", "state", "last seen"], rows))
 
@@ -299,11 +299,11 @@ def status(
     json: JsonOpt = False,
 ) -> None:
     """Join briefly and show this node's view: peers by role, skills covered, checkpoint versions seen."""
-    from skillswarm.node.network_view import status_view
+    from skillswarm.node.network.view import status_view
 
     spec = load_spec(network)
-    joined = _join_peers(spec, peers)
-    with _observer(spec, peers) as dht:
+    joined = join_peers(spec, peers)
+    with observer(spec, peers) as dht:
         view = status_view(dht, spec, joined)
     roles, skills, latest, connected = view["roles"], view["workers_per_skill"], view["latest_checkpoint"], view["connections"]
     if json:

@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from skillswarm.merge.rounds import round_merge
-from skillswarm.node.rounds.admission import Admission, Caps
-from skillswarm.node.rounds.fetching import Fetch
-from skillswarm.node.rounds.guard import MergeGuard
-from skillswarm.node.rounds.inspection import Consensus, Inspect
-from skillswarm.node.rounds.reputation import Weigh
-from skillswarm.node.rounds.scale_search import Merge, ScaleSearch
-from skillswarm.node.rounds.state import Candidate, GuardVerdict, Merged, RoundInputs, RoundState, Step
-from skillswarm.node.rounds.usefulness import Usefulness
+from skillswarm.node.roles.rounds.admission import Admission, Caps
+from skillswarm.node.roles.rounds.fetching import Fetch
+from skillswarm.node.roles.rounds.guard import MergeGuard
+from skillswarm.node.roles.rounds.inspection import Consensus, Inspect
+from skillswarm.node.roles.rounds.reputation import Weigh
+from skillswarm.node.roles.rounds.scale_search import Merge, ScaleSearch
+from skillswarm.node.roles.rounds.state import Candidate, GuardVerdict, Merged, RoundInputs, RoundState, Step
+from skillswarm.node.roles.rounds.usefulness import Usefulness
 from skillswarm.protocol.records import MergePolicy, SkillMetrics
 
 log = logging.getLogger(__name__)

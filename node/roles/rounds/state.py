@@ -26,7 +26,7 @@ from msgspec import UNSET
 
 from skillswarm.merge.rounds import RoundDelta
 from skillswarm.merge.screening import short_reason
-from skillswarm.node.rounds.paired import Paired, Scores, scores
+from skillswarm.node.roles.rounds.paired import Paired, Scores, scores
 from skillswarm.protocol.records import (CheckpointManifest, DeltaManifest, DeltaRef, MergePolicy, NetworkSpec,
                                          Rejection)
 from skillswarm.protocol.transport.blobs import BlobStore

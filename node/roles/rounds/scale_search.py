@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 import msgspec
 
-from skillswarm.node.rounds.paired import Paired, Scores
-from skillswarm.node.rounds.state import Merged, RoundInputs
+from skillswarm.node.roles.rounds.paired import Paired, Scores
+from skillswarm.node.roles.rounds.state import Merged, RoundInputs
 from skillswarm.protocol.records import MergePolicy
 
 log = logging.getLogger(__name__)

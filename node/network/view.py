@@ -70,10 +70,10 @@ def deltas_view(dht: Any, spec: NetworkSpec, version: int | None = None) -> dict
         m = dht.get_checkpoint(v + 1, trusted=spec.coordinators)
         included = {d.blob for d in m.included} if m else set()
         reasons = {r.blob: r.reason for r in m.rejected} if m else {}
-        # merged on credit: inconclusive on its skill, from a key with a record (node/rounds/usefulness.py)
+        # merged on credit: inconclusive on its skill, from a key with a record (node/roles/rounds/usefulness.py)
         reasons.update({d.blob: "on credit: its gain was not significant" for d in (m.included if m else [])
                         if d.figures.get("on_credit", 0.0) > 0})
-        # a saturated skill's repair: merged in its first layers only (node/rounds/usefulness.py)
+        # a saturated skill's repair: merged in its first layers only (node/roles/rounds/usefulness.py)
         for d in (m.included if m else []):
             if layers := _layers(m, d):
                 reasons[d.blob] = ", ".join(filter(None, [f"a repair of its first {layers} layer(s), merged there only",

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from skillswarm.merge.screening import norm_outlier
-from skillswarm.node.rounds.reputation import Reputation, reputation_of, reputations
-from skillswarm.node.rounds.state import Candidate, Rejected, RoundInputs, RoundState, Verdict, reject
+from skillswarm.node.roles.rounds.reputation import Reputation, reputation_of, reputations
+from skillswarm.node.roles.rounds.state import Candidate, Rejected, RoundInputs, RoundState, Verdict, reject
 from skillswarm.protocol.records import CheckpointManifest
 
 

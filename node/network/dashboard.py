@@ -1,5 +1,5 @@
 """`skillswarm net dashboard`: a local web page that shows the network live, from a client peer that stays
-joined. A thread refreshes one snapshot (`skillswarm.node.network_view.snapshot`: what `net status |
+joined. A thread refreshes one snapshot (`skillswarm.node.network.view.snapshot`: what `net status |
 peers | skills | deltas | checkpoints --json` print) every few seconds; the page (one file shipped in the
 package, no CDN) fetches it from /api/snapshot and draws tables and a per-skill accuracy chart.
 """
@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from skillswarm.node.network_view import snapshot
+from skillswarm.node.network.view import snapshot
 from skillswarm.protocol.records import NetworkSpec
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class Watcher(threading.Thread):
 def create_app(watcher: Watcher) -> FastAPI:
     """The page and its JSON."""
     app = FastAPI(title="skillswarm dashboard", docs_url=None, redoc_url=None, openapi_url=None)
-    page = (resources.files("skillswarm.node") / "static" / PAGE).read_text(encoding="utf-8")
+    page = (resources.files("skillswarm.node.network") / "static" / PAGE).read_text(encoding="utf-8")
     page = page.replace("__REFRESH_MS__", str(int(watcher.refresh_s * 1000)))
 
     @app.get("/", response_class=HTMLResponse)

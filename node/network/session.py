@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from skillswarm.node.store import CheckpointStore
+from skillswarm.node.checkpoints.store import CheckpointStore
 from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.protocol.errors import NetworkError
 from skillswarm.protocol.identity import Identity
