@@ -93,9 +93,9 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def envelope(name: str, command: list[str], figures: dict[str, Any], seconds: float) -> dict[str, Any]:
+def envelope(name: str, command: list[str], figures: dict[str, Any], seconds: float, commit: str) -> dict[str, Any]:
     """The saved record: the figures with the command, commit, machine, date and wall time that produced them."""
-    return {"name": name, "command": shlex.join(command), "commit": _commit(),
+    return {"name": name, "command": shlex.join(command), "commit": commit,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "seconds": round(seconds, 1), "machine": machine(), "figures": figures}
 
@@ -123,6 +123,7 @@ def run(name: str, command: list[str], out_dir: Path = RESULTS) -> Path:
         raise RecordError(f"bad name {name!r}: use lower-case letters, digits, '-' and '_' (like `sandbox`)")
     if not command:
         raise RecordError("no command given: put it after `--`, like `record.py sandbox -- .venv/bin/python bench/sandbox.py --json`")
+    commit = _commit()  # the code the command starts with, whatever changes while it runs
     start = time.perf_counter()
     try:
         done = subprocess.run(command, stdout=subprocess.PIPE, text=True, cwd=ROOT)
@@ -130,7 +131,8 @@ def run(name: str, command: list[str], out_dir: Path = RESULTS) -> Path:
         raise RecordError(f"cannot run {command[0]}: {e.strerror or e}") from None
     if done.returncode != 0:
         raise RecordError(f"the command exited {done.returncode}; nothing saved")
-    return save(envelope(name, command, last_json_object(done.stdout), time.perf_counter() - start), out_dir)
+    return save(envelope(name, command, last_json_object(done.stdout), time.perf_counter() - start, commit),
+                out_dir)
 
 
 def main() -> None:
