@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import msgspec
 import psutil
@@ -77,6 +78,23 @@ def blob_swarm(net: str, root: Path, first: str, *others: str) -> Iterator[dict[
     finally:
         for p in peers.values():
             p.dht.shutdown()
+
+
+async def _checked_in_dht(_dht: Any, _node: Any, root: str, sha: str) -> bool:
+    """(In a DHT process) check blob `sha` of the store at `root` as that process's provider does."""
+    return BlobStore(root).has(sha)
+
+
+def rot_unseen(peer: BlobPeer, sha: str, rot: Callable[[Path], None]) -> None:
+    """Make `peer` serve bad bytes of blob `sha`, as a lying peer would: its provider checks the blob (once per
+    process), then `rot` changes the file in place with its size and mtime kept, which that check cannot see."""
+    assert peer.dht.run_coroutine(_checked_in_dht, root=str(peer.store.root), sha=sha)
+    path = peer.store.path(sha)
+    before = path.stat()
+    os.chmod(path, 0o644)
+    rot(path)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert path.stat().st_size == before.st_size
 
 
 async def store_at(_dht: Any, node: Any, peer: str, items: list, chunk: int = 25) -> list[bool]:

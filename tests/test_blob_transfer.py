@@ -16,7 +16,7 @@ import pytest
 from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.protocol.errors import BlobError
 from skillswarm.protocol.hashing import sha256_file
-from tests.net_helpers import BlobPeer, blob_swarm, still_running
+from tests.net_helpers import BlobPeer, blob_swarm, rot_unseen, still_running
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 NET = "blobs"
@@ -56,11 +56,15 @@ def test_corrupted_bytes_never_appear_under_the_final_name(swarm: dict[str, Blob
     honest, fetcher, liar = swarm["honest"], swarm["fetcher"], swarm["liar"]
     sha = _blob(honest.store, 4 * MB)
     _copy(honest.store, liar.store, sha)
-    with open(liar.store.path(sha), "r+b") as f:  # bit rot on the liar's disk, one byte in the middle
-        f.seek(2 * MB)
-        byte = f.read(1)
-        f.seek(2 * MB)
-        f.write(bytes([byte[0] ^ 0xFF]))
+
+    def rot(path: Path) -> None:  # bit rot on the liar's disk, one byte in the middle, after its provider's check
+        with open(path, "r+b") as f:
+            f.seek(2 * MB)
+            byte = f.read(1)
+            f.seek(2 * MB)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
+    rot_unseen(liar, sha, rot)
     liar.dht.serve_blobs(liar.store)
     honest.dht.serve_blobs(honest.store)
     liar_id, honest_id = liar.dht.identity.peer_id, honest.dht.identity.peer_id

@@ -17,7 +17,7 @@ from skillswarm.protocol.hashing import sha256_file
 from skillswarm.protocol.transport.blobs import BlobStore, held_bytes, partial_pieces_path
 from skillswarm.protocol.transport.pieces import PIECE_SIZE, check_piece_list, piece_count, tree_hash
 from skillswarm.protocol.transport.provider import provider_stats
-from tests.net_helpers import BlobPeer, blob_swarm, wait_for
+from tests.net_helpers import BlobPeer, blob_swarm, rot_unseen, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 NET = "swarming"
@@ -69,7 +69,7 @@ def test_a_provider_serving_corrupt_pieces_is_dropped_and_the_good_pieces_stay(s
     liar.store.add_bytes(data)
     for p in (a, b, liar):
         p.dht.provide(sha, store=p.store)  # each caches the blob's piece list...
-    _rot(liar.store.path(sha), size)  # ...then the liar's disk rots: a right list, wrong pieces
+    rot_unseen(liar, sha, lambda path: _rot(path, size))  # ...then the liar's disk rots: a right list, wrong pieces
     tree = a.store.tree(sha)
     assert {p.peer_id for p in fetcher.dht.get_providers(sha)} == {a.id, b.id, liar.id}
 
@@ -91,7 +91,7 @@ def test_a_piece_list_that_does_not_match_the_tree_hash_is_refused(swarm: dict[s
     data = os.urandom(size)
     sha = a.store.add_bytes(data)
     liar.store.add_bytes(data)
-    _rot(liar.store.path(sha), size)  # rotted before its list was computed: the list describes the rot
+    rot_unseen(liar, sha, lambda path: _rot(path, size))  # rotted before its list was computed: the list describes the rot
     a.dht.serve_blobs(a.store)
     liar.dht.serve_blobs(liar.store)
     tree = a.store.tree(sha)

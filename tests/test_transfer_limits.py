@@ -21,7 +21,7 @@ from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.transport.dht import SwarmDHT
 from skillswarm.protocol.transport.provider import provider_stats
 from skillswarm.protocol.transport.wire import GRACE_S, MIN_RATE, deadline_for
-from tests.net_helpers import BlobPeer, blob_swarm
+from tests.net_helpers import BlobPeer, blob_swarm, rot_unseen
 
 NET = "limits"
 MB = 1 << 20
@@ -122,12 +122,14 @@ def test_a_liar_cut_off_for_slowness_is_still_named_once_the_blob_verifies(swarm
     fetcher, trickler, honest = swarm["fetcher"], swarm["trickler"], swarm["honest"]
     size = 3 * MB
     sha = _blob(size, honest.store, trickler.store)
-    bad = trickler.store.path(sha)
-    os.chmod(bad, 0o644)
-    with open(bad, "r+b") as f:  # the trickler's copy is wrong from its first byte; it is dropped as slow soon after
-        first_byte = f.read(1)[0]
-        f.seek(0)
-        f.write(bytes([first_byte ^ 0xFF]))
+
+    def rot(bad: Path) -> None:  # the trickler's copy is wrong from its first byte; it is dropped as slow soon after
+        with open(bad, "r+b") as f:
+            first_byte = f.read(1)[0]
+            f.seek(0)
+            f.write(bytes([first_byte ^ 0xFF]))
+
+    rot_unseen(trickler, sha, rot)
     report = fetcher.dht.fetch_report(sha, max_size=8 * MB, store=fetcher.store, providers=[trickler.id, honest.id],
                                       progress=False, grace_s=1.5)
     assert sha256_file(fetcher.store.path(sha)) == sha

@@ -1,11 +1,14 @@
 """Pulling checkpoints: find the latest (or a given) version signed by a trusted coordinator, and make
 it complete in the local store, verifying every hash. A node that holds the parent version fetches only
-the merged delta and applies it; everything else is fetched file by file by content hash."""
+the merged delta and applies it; everything else is fetched file by file by content hash. Nothing on disk is
+taken as good unchecked: local versions and cached blobs are checked first (a damaged one is deleted and
+fetched again), and an export is checked against the manifest before it takes its place."""
 
 from __future__ import annotations
 
 import errno
 import glob
+import hashlib
 import logging
 import os
 import shutil
@@ -62,16 +65,17 @@ def pull(dht: "SwarmDHT", spec: NetworkSpec, manifest: CheckpointManifest, store
          blobs: BlobStore, *, progress: bool = True) -> Path:
     """Make `manifest`'s version complete in `store` (verified) and return its directory."""
     if store.has(manifest.version):
-        if store.manifest(manifest.version).weights_hash == manifest.weights_hash:
+        if store.manifest(manifest.version).weights_hash != manifest.weights_hash:
+            log.warning("local v%d differs from the network's; fetching it again", manifest.version)
+        elif store.check(manifest.version):  # a damaged one is deleted: fetched again below
             return store.path(manifest.version)
-        log.warning("local v%d differs from the network's; fetching it again", manifest.version)
     if manifest.version == 0 and (base := local_base(spec)) is not None:
         try:
             return _from_local_base(manifest, base, store, blobs)
         except (HashMismatchError, FileNotFoundError) as e:
             log.info("local base model does not match the genesis checkpoint (%s); fetching it", e)
     parent = manifest.parent_version
-    if manifest.merged_delta is not None and parent is not None and store.has(parent):
+    if manifest.merged_delta is not None and parent is not None and store.check(parent):
         try:
             return _from_parent(dht, manifest, store, blobs, progress)
         except (SkillswarmError, OSError) as e:
@@ -86,7 +90,7 @@ def _from_local_base(manifest: CheckpointManifest, base: Path, store: Checkpoint
     if have != wanted:
         raise HashMismatchError("file list or hashes differ")
     for f in manifest.files:
-        if not blobs.has(f.sha256):
+        if not blobs.has(f.sha256, f.size):
             blobs.add_file(base / f.path)  # a copy: the user may edit their base dir
     return store.assemble(manifest, blobs)
 
@@ -114,7 +118,7 @@ def _from_parent(dht: "SwarmDHT", manifest: CheckpointManifest, store: Checkpoin
 def _fetch_all(dht: "SwarmDHT", manifest: CheckpointManifest, store: CheckpointStore, blobs: BlobStore,
                progress: bool) -> Path:
     for f in manifest.files:
-        if blobs.has(f.sha256):
+        if blobs.has(f.sha256, f.size):  # checked: a bad cached copy is deleted and fetched again
             continue
         try:
             dht.fetch(f.sha256, size=f.size, max_size=f.size, store=blobs, progress=progress, tree=f.tree)
@@ -126,7 +130,8 @@ def _fetch_all(dht: "SwarmDHT", manifest: CheckpointManifest, store: CheckpointS
 def export(store: CheckpointStore, version: int, out: Path) -> Path:
     """Copy a local version to `out` as a plain HF directory with its signed manifest beside it
     (`manifest.msgpack`, verifiable) and a readable copy (`manifest.json`). `out` may be new, empty, or an
-    earlier pull, which is replaced whole (`write_out`); anything else is refused."""
+    earlier pull, which is replaced whole (`write_out`); anything else is refused. Each file's copy is hashed as it
+    is written and must match the manifest before the directory takes `out`'s place."""
     import json
 
     import msgspec
@@ -134,12 +139,40 @@ def export(store: CheckpointStore, version: int, out: Path) -> Path:
     from skillswarm.protocol.atomic import atomic_write_text
 
     def build(new: Path) -> None:
-        shutil.copytree(store.path(version), new)
+        if not store.check(version):
+            raise HashMismatchError(f"local checkpoint v{version} is missing or damaged (a damaged one is deleted); "
+                                    "pull it again")
         manifest = store.manifest(version)
+        written: dict[str, tuple[int, str]] = {}
+
+        def copy(src: str, dst: str) -> str:
+            written[os.path.relpath(dst, new)] = _copy_hashing(Path(src), Path(dst))
+            return dst
+
+        shutil.copytree(store.path(version), new, copy_function=copy)
+        for f in manifest.files:
+            size, sha = written.get(f.path, (-1, ""))
+            if (size, sha) != (f.size, f.sha256):
+                store.remove(version)
+                got = "missing" if size < 0 else f"{size:,} bytes hashing to {sha[:12]}"
+                raise HashMismatchError(f"{f.path} of local checkpoint v{version} does not match its manifest ({got}, "
+                                        f"not {f.size:,} bytes hashing to {f.sha256[:12]}); it is deleted: pull it again")
         readable = msgspec.to_builtins(manifest) | {"signature": manifest.signature.hex()}
         atomic_write_text(new / "manifest.json", json.dumps(readable, indent=2, sort_keys=True) + "\n")
 
     return write_out(out, build, version=version)
+
+
+def _copy_hashing(src: Path, dst: Path) -> tuple[int, str]:
+    """Copy a file (with its times and mode, as `shutil.copy2`) and return the size and sha256 of the bytes written."""
+    h, size = hashlib.sha256(), 0
+    with open(src, "rb") as fin, open(dst, "xb") as fout:
+        while block := fin.read(1 << 20):
+            h.update(block)
+            fout.write(block)
+            size += len(block)
+    shutil.copystat(src, dst)
+    return size, h.hexdigest()
 
 
 # ------------------------------------------------------------------------------------- pull --out DIR
@@ -329,9 +362,12 @@ SHARE_TTL = 120.0  # short: a node that leaves stops being offered to fetchers s
 def share(dht: "SwarmDHT", store: CheckpointStore, blobs: BlobStore, manifest: CheckpointManifest) -> None:
     """Serve the files of a local version (and its merged delta when held), so pulls spread over every
     node that has it instead of all hitting the coordinator."""
+    if not store.check(manifest.version):
+        raise BlobError(f"local checkpoint v{manifest.version} is missing or damaged (a damaged one is deleted); "
+                        "pull it again before serving it")
     ckpt = store.path(manifest.version)
     for f in manifest.files:
-        if not blobs.has(f.sha256):
+        if not blobs.has(f.sha256, f.size):
             blobs.add_file(ckpt / f.path, link=True)
         dht.provide(f.sha256, store=blobs, ttl=SHARE_TTL)
     if manifest.merged_delta is not None and blobs.has(manifest.merged_delta.sha256):

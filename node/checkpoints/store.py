@@ -1,5 +1,6 @@
 """The local checkpoint store of one network: complete checkpoint directories by version, each with
-the signed manifest it was verified against. A directory appears whole (temp dir + rename) or not at all."""
+the signed manifest it was verified against. A directory appears whole (temp dir + rename) or not at all, and
+is checked again before it is used (`check`: its files are hard links to blobs, which can be damaged in place)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import logging
 import os
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 
 import msgspec
@@ -17,7 +19,7 @@ from skillswarm.protocol.errors import HashMismatchError, RecordError
 from skillswarm.protocol.hashing import sha256_file, weights_hash
 from skillswarm.protocol.paths import cache_dir
 from skillswarm.protocol.records import CheckpointManifest, FileEntry
-from skillswarm.protocol.transport.blobs import BlobStore
+from skillswarm.protocol.transport.blobs import BlobStore, file_problem
 from skillswarm.protocol.transport.pieces import file_pieces, tree_hash
 
 log = logging.getLogger(__name__)
@@ -85,6 +87,33 @@ class CheckpointStore:
         """True when version `version` is complete here."""
         return (self.path(version) / MANIFEST_NAME).is_file()
 
+    def check(self, version: int) -> bool:
+        """Whether version `version` is here and each of its files still matches its manifest (size on every call,
+        sha256 once per process: `blobs.file_problem`); a damaged one is deleted with a warning, to be fetched again."""
+        if not self.has(version):
+            return False
+        for f in self.manifest(version).files:
+            try:
+                problem = file_problem(self.path(version) / f.path, f.sha256, f.size)
+            except FileNotFoundError:
+                problem = "it is missing"
+            if problem is not None:
+                log.warning("local checkpoint v%d is damaged (%s: %s): deleted, to be fetched again", version, f.path,
+                            problem)
+                self.remove(version)
+                return False
+        return True
+
+    def remove(self, version: int) -> None:
+        """Delete local version `version` (no error if absent): renamed out of place first, so it is never seen half gone."""
+        target = self.path(version)
+        gone = self.dir / f".staging-removed-{uuid.uuid4().hex}"
+        try:
+            os.rename(target, gone)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(gone, ignore_errors=True)
+
     def versions(self) -> list[int]:
         """Complete local versions, ascending."""
         out = []
@@ -142,13 +171,14 @@ class CheckpointStore:
 
 
 def verify_dir(model_dir: Path, manifest: CheckpointManifest) -> None:
-    """Check every file of `manifest` is in `model_dir` with its sha256, and the weights hash matches."""
+    """Check every file of `manifest` is in `model_dir` with its size and sha256 (`blobs.file_problem`: a file
+    hard-linked from a blob checked in this process is not hashed again), and the weights hash matches."""
     for f in manifest.files:
         p = model_dir / f.path
         if not p.is_file():
             raise HashMismatchError(f"checkpoint v{manifest.version} is missing {f.path}")
-        if p.stat().st_size != f.size or sha256_file(p) != f.sha256:
-            raise HashMismatchError(f"{f.path} of checkpoint v{manifest.version} does not match its manifest")
+        if (problem := file_problem(p, f.sha256, f.size)) is not None:
+            raise HashMismatchError(f"{f.path} of checkpoint v{manifest.version} does not match its manifest ({problem})")
     got = weights_hash(model_dir)
     if got != manifest.weights_hash:
         raise HashMismatchError(f"weights of checkpoint v{manifest.version} hash to {got[:12]}, "

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from skillswarm.protocol.atomic import WriteBehind
 from skillswarm.protocol.errors import BlobError
-from skillswarm.protocol.transport.blobs import SYNC_EVERY, BlobStore, partial_pieces_path
+from skillswarm.protocol.transport.blobs import SYNC_EVERY, BlobStore, partial_pieces_path, remember
 from skillswarm.protocol.transport.receiving import Clock, Rejected, Stopped
 from skillswarm.protocol.transport.pieces import PIECE_SIZE, digest_of, pack_bits, piece_span
 from skillswarm.protocol.transport.wire import FetchReport
@@ -346,6 +346,7 @@ def publish(part: PieceFile, final: Path, store: BlobStore, sha: str, size: int,
     os.fsync(part.fd)
     os.chmod(part.path, 0o644)
     os.replace(part.path, final)
+    remember(final, sha)  # its sha256 was just checked: the provider here need not hash it again
     with contextlib.suppress(OSError):
         store.save_pieces(sha, piece_list)
     part.listed.unlink(missing_ok=True)

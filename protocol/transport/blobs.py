@@ -7,6 +7,10 @@ several providers writes verified pieces in place instead (`pieces`, `swarm`) an
 beside the partial file. Each blob's piece list is cached in `.pieces/` for serving. A store may be capped
 (`max_bytes`): a blob is refused before its first byte is written unless it fits under the cap and leaves
 the filesystem a margin free; `prune` and `remove` make room.
+
+Nothing is taken as good for being on disk: `has` (which every use of a stored blob goes through) checks the
+blob's size on every call and its sha256 once per process while its size and mtime stay the same
+(`file_problem`), and deletes a blob that fails, so it is fetched again and never served or announced.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import logging
 import os
+import stat
 import re
 import shutil
 import threading
@@ -42,6 +48,57 @@ FS_MARGIN_FRACTION = 0.05
 # downloads each check against the others' promises, so together they cannot overrun a cap.
 _reserved: dict[tuple[str, str], int] = {}
 _reserved_lock = threading.Lock()
+
+log = logging.getLogger(__name__)
+
+# Files this process has hashed (or written from hashed bytes) and found to be their blob:
+# (st_dev, st_ino) -> (size, mtime_ns, sha256). Keyed by the file, not its name, so hard links (a checkpoint's
+# files and the blobs they were linked from) share one check; a change of size or mtime means hashing again.
+_checked: dict[tuple[int, int], tuple[int, int, str]] = {}
+_hashing: dict[tuple[int, int], threading.Lock] = {}  # one hash of a file at a time: waiting callers reuse it
+_checked_lock = threading.Lock()
+
+
+def file_problem(path: Path | str, sha: str, size: int | None = None) -> str | None:
+    """What is wrong with the file at `path` as blob `sha` (of `size` bytes when given), or None if nothing.
+    Rule: the size is checked on every call, the sha256 once per process while the file's (device, inode,
+    size, mtime_ns) stay the same, so a multi-GB blob is not re-hashed on every access. FileNotFoundError if absent."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        return "it is not a regular file"
+    if size is not None and st.st_size != size:
+        return f"it is {st.st_size:,} bytes, not {size:,}"
+    key, seen = (st.st_dev, st.st_ino), (st.st_size, st.st_mtime_ns, sha)
+    if _checked.get(key) == seen:
+        return None
+    with _checked_lock:
+        lock = _hashing.setdefault(key, threading.Lock())
+    with lock:
+        if _checked.get(key) == seen:  # hashed meanwhile by another caller
+            return None
+        got = sha256_file(path)
+        if got != sha:
+            return f"its bytes hash to {got[:12]}, not {sha[:12]}"
+        _checked[key] = seen
+    return None
+
+
+def remember(path: Path | str, sha: str) -> None:
+    """Note that the file at `path` holds exactly the bytes of blob `sha` (just hashed and written by this
+    process), so `file_problem` need not hash it again while it is unchanged."""
+    with contextlib.suppress(OSError):
+        st = os.stat(path)
+        _checked[(st.st_dev, st.st_ino)] = (st.st_size, st.st_mtime_ns, sha)
+
+
+def known_sha(path: Path | str) -> str | None:
+    """The sha256 this process found the file at `path` to have, while unchanged since; None if not checked."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    seen = _checked.get((st.st_dev, st.st_ino))
+    return seen[2] if seen is not None and seen[:2] == (st.st_size, st.st_mtime_ns) else None
 
 
 def check_sha256(sha: str) -> str:
@@ -75,9 +132,21 @@ class BlobStore:
         """Where blob `sha` lives (whether or not it is here yet)."""
         return self.root / check_sha256(sha)
 
-    def has(self, sha: str) -> bool:
-        """Whether blob `sha` is complete in this store."""
-        return self.path(sha).is_file()
+    def has(self, sha: str, size: int | None = None) -> bool:
+        """Whether blob `sha` (of `size` bytes when given) is complete and intact in this store (`file_problem`'s
+        rule); a bad one is deleted with a warning and counts as absent, so it is fetched again."""
+        path = self.path(sha)
+        try:
+            problem = file_problem(path, sha, size)
+        except FileNotFoundError:
+            return False
+        if problem is None:
+            return True
+        log.warning("blob %s in %s is bad (%s): deleted, to be fetched again", sha[:12], self.root, problem)
+        if path.is_file():
+            path.unlink(missing_ok=True)
+        self.pieces_path(sha).unlink(missing_ok=True)
+        return False
 
     def size(self, sha: str) -> int:
         """The size of a blob this store holds; `BlobError` if it holds none."""
@@ -96,22 +165,24 @@ class BlobStore:
         size = src.stat().st_size
         same_fs = os.stat(src).st_dev == os.stat(self.root).st_dev
         if link and same_fs:
-            sha = sha256_file(src)
-            if not self.has(sha):
+            sha = known_sha(src) or sha256_file(src)
+            if not self.has(sha, size):
                 self.check_room(size, sha, new_disk_bytes=False)
                 try:
                     os.link(src, self.path(sha))
+                    remember(self.path(sha), sha)
                 except FileExistsError:
                     pass
             return sha
         if move and same_fs:
-            sha = sha256_file(src)
-            if self.has(sha):
+            sha = known_sha(src) or sha256_file(src)
+            if self.has(sha, size):
                 src.unlink()
             else:
                 self.check_room(size, sha, new_disk_bytes=False)
                 os.chmod(src, 0o644)
                 os.replace(src, self.path(sha))
+                remember(self.path(sha), sha)
             return sha
         # The name is known only after hashing: copy to a unique staging name atomically, then rename.
         self.check_room(size)
@@ -123,10 +194,11 @@ class BlobStore:
                     h.update(block)
                     fout.write(block)
             sha = h.hexdigest()
-            if self.has(sha):
+            if self.has(sha, size):
                 staging.unlink()
             else:
                 os.replace(staging, self.path(sha))
+                remember(self.path(sha), sha)
         finally:
             staging.unlink(missing_ok=True)
         if move:
@@ -136,20 +208,27 @@ class BlobStore:
     def add_bytes(self, data: bytes) -> str:
         """Store bytes and return their sha256."""
         sha = hashlib.sha256(data).hexdigest()
-        if not self.has(sha):
+        if not self.has(sha, len(data)):
             self.check_room(len(data), sha)
             with atomic_open(self.path(sha), "wb") as f:
                 f.write(data)
+            remember(self.path(sha), sha)
         return sha
 
     def verify(self, sha: str) -> bool:
-        """Re-hash a stored blob; a blob that no longer matches its name is removed (and False returned)."""
+        """Re-hash a stored blob (whatever this process checked before); a blob that no longer matches its name
+        is removed with a warning (and False returned)."""
         path = self.path(sha)
         if not path.is_file():
             return False
-        if sha256_file(path) == sha:
+        got = sha256_file(path)
+        if got == sha:
+            remember(path, sha)
             return True
+        log.warning("blob %s in %s is bad (its bytes hash to %s): deleted, to be fetched again", sha[:12], self.root,
+                    got[:12])
         path.unlink(missing_ok=True)
+        self.pieces_path(sha).unlink(missing_ok=True)
         return False
 
     def remove(self, sha: str) -> None:
@@ -260,7 +339,9 @@ class BlobStore:
                    if r == root and sha != besides)
 
     def export(self, sha: str, dest: Path | str) -> Path:
-        """Copy a blob out of the store to `dest` (atomically)."""
+        """Copy an intact blob (`has`) out of the store to `dest` (atomically); `BlobError` if it is absent or bad."""
+        if not self.has(sha):
+            raise BlobError(f"blob {sha[:12]} is not in {self.root} (or was bad and is deleted); fetch it again")
         with open(self.path(sha), "rb") as fin, atomic_open(dest, "wb") as fout:
             shutil.copyfileobj(fin, fout, CHUNK)
         return Path(dest)
@@ -380,6 +461,7 @@ class PartialDownload:
         os.fsync(self.file.fileno())
         os.chmod(self.path, 0o644)
         os.replace(self.path, final)
+        remember(final, self.hasher.hexdigest())
 
     def close(self, *, remove: bool = False) -> None:
         self.file.close()

@@ -90,12 +90,12 @@ def fetch_one(dht: DownloadHost, sha: str, *, size: int | None, max_size: int, s
         except BlobError:
             raise BlobError(f"tree={tree!r} is not a tree hash (64 lower-case hex characters); give the "
                             "`tree` of the record that names the blob, or None") from None
-    if store.has(sha):
+    if size is not None:
+        _byte_count("size", size)
+    if store.has(sha, size):  # checked, not only present: a bad copy is deleted and fetched again
         return FetchReport(path=str(store.path(sha)), sha=sha, size=store.size(sha), already_present=True)
     min_rate, grace_s = _limits(min_rate, deadline_s, grace_s, stall_timeout)
     _byte_count("max_size", max_size)
-    if size is not None:
-        _byte_count("size", size)
     token = token or uuid.uuid4().hex
     refresh = providers is None and tree is not None  # a list the caller gave is the whole list
     if providers is None:

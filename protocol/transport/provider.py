@@ -3,7 +3,9 @@
 It serves byte ranges, piece lists (`pieces`, cached by the store) and piece maps of the blobs of its store
 only (an unknown or malformed sha is refused), and the verified pieces of downloads in flight into that
 store (`assembly.partials`), at most `max_concurrent` uploads at once (more are told "busy"), optionally
-rate-limited. It runs inside the DHT's background
+rate-limited. A complete blob is served only once its file passes `BlobStore.has` (size on every request,
+sha256 once per process); one that fails is deleted and answered as unknown, and a large one still being
+hashed is answered "busy" meanwhile. It runs inside the DHT's background
 process (`SwarmDHT.serve_blobs`), and the bytes move in worker threads over plain sockets (`streams`), so
 neither the caller's training loop nor the DHT's event loop waits on them. The wire format is in `wire`.
 """
@@ -30,6 +32,10 @@ from skillswarm.protocol.transport.wire import CHUNK, HANDLER, BlobHeader, BlobR
 
 logger = logging.getLogger(__name__)
 
+# How long a request waits for the first check of a blob's file before it is told "busy" (the check goes on).
+CHECK_WAIT_S = 2.0
+
+
 class BlobProvider:
     """Serves byte ranges of the blobs in one store; registered on p2pd by `start`."""
 
@@ -42,6 +48,7 @@ class BlobProvider:
         self.active = 0
         self.served_bytes = 0
         self.partials: dict[tuple[str, str], Assembly] = {}  # downloads in flight whose pieces are served too
+        self._checks: dict[str, asyncio.Future] = {}  # checks of blob files in progress, by sha
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="blob-upload")
 
     async def start(self, p2p: hivemind.P2P) -> None:
@@ -56,9 +63,12 @@ class BlobProvider:
                 n = frame_length(await asyncio.wait_for(reader.readexactly(4), self.stall_s))
                 req = msgspec.msgpack.decode(await asyncio.wait_for(reader.readexactly(n), self.stall_s), type=BlobRequest)
                 path = self.store.path(check_sha256(req.sha))
-                partial = None
+                partial, intact = None, True
                 try:
                     size = path.stat().st_size
+                    intact = await self._intact(req.sha)
+                    if intact is False:  # it failed its check and is deleted: as if it had never been here
+                        raise FileNotFoundError(path)
                 except FileNotFoundError:  # perhaps a download in flight here holds some of its pieces
                     partial = self.partials.get((str(self.store.root), req.sha))
                     if partial is None:
@@ -70,7 +80,9 @@ class BlobProvider:
                 await writer.drain()
                 return
             end = size if req.end is None else req.end
-            if not 0 <= req.offset <= end <= size:
+            if intact is None:
+                writer.write(frame(BlobHeader(size=size, error="busy")))
+            elif not 0 <= req.offset <= end <= size:
                 writer.write(frame(BlobHeader(size=size, error=f"range {req.offset}-{end} is outside the blob")))
             elif partial is not None and req.kind == "bytes" and not partial.holds(req.offset, end):
                 writer.write(frame(BlobHeader(size=size, error="missing")))
@@ -99,6 +111,19 @@ class BlobProvider:
                 self.active -= 1
             with contextlib.suppress(Exception):
                 writer.close()
+
+    async def _intact(self, sha: str) -> bool | None:
+        """Whether the complete blob `sha` here passes its check (`BlobStore.has`, which deletes a bad one); None
+        while the first check of a large blob is still hashing after CHECK_WAIT_S (the check goes on)."""
+        check = self._checks.get(sha)
+        if check is None:
+            check = asyncio.get_running_loop().run_in_executor(self._pool, self.store.has, sha)
+            self._checks[sha] = check
+            check.add_done_callback(lambda _done: self._checks.pop(sha, None))
+        try:
+            return await asyncio.wait_for(asyncio.shield(check), CHECK_WAIT_S)
+        except asyncio.TimeoutError:
+            return None
 
     def _send(self, fd: int, path: Path, offset: int, end: int, size: int) -> int:
         with open(path, "rb") as f:  # before the header: a partial file renamed meanwhile ends the stream
