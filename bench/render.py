@@ -55,16 +55,19 @@ def _poison(f: dict[str, Any]) -> str:
     inside = [a["name"] for a in attacks if a["included"]]
     worst = max(a["max_loss_pts"] for a in attacks)
     unscreened = max(a["unscreened"]["max_loss_pts"] for a in attacks)
-    head = "no attack included" if not inside else f"included: {', '.join(inside)}"
-    return (f"{head} of {len(attacks)} ({'keys with a record' if f.get('reputed') else 'fresh keys'}); "
+    head = f"none of {len(attacks)} attacks included" if not inside else f"included: {', '.join(inside)}"
+    return (f"{head} ({'keys with a record' if f.get('reputed') else 'fresh keys'}); "
             f"max loss {worst:.1f} points (unscreened: up to {unscreened:.1f})")
 
 
 def _flood(f: dict[str, Any]) -> str:
     runs = f["runs"]
     flood = runs["flood"]
-    text = (f"round completed under the flood: {flood['completed']}, with both honest deltas: "
-            f"{flood['with_honest_deltas']}; {flood['seconds']:.0f} s")
+    if not flood["completed"]:
+        return "the round did NOT complete under the flood"
+    text = ("the round completed with every honest delta" if flood["with_honest_deltas"]
+            else "the round completed WITHOUT every honest delta")
+    text += f": {flood['seconds']:.0f} s under the flood"
     if "baseline" in runs:
         text += f" against {runs['baseline']['seconds']:.0f} s alone"
     return text
