@@ -169,7 +169,7 @@ def render_doc(records: list[dict[str, Any]]) -> str:
         out += [f"## {r['name']}", ""]
         headline = _headline(r)
         if headline:
-            out += [f"{headline}.", ""]
+            out += [f"{headline[0].upper()}{headline[1:]}.", ""]
         out += [f"- command: `{r['command']}`", f"- commit: `{r['commit'][:12]}{'-dirty' if r['commit'].endswith('-dirty') else ''}`",
                 f"- date: {r['date']}" + (f" ({r['seconds']:.0f} s)" if isinstance(r.get("seconds"), (int, float)) else ""),
                 f"- machine: {_machine(r['machine'])}", "",
