@@ -88,7 +88,7 @@ def _rl_async(f: dict[str, Any]) -> str:
 
 
 HEADLINES: dict[str, Headline] = {
-    "demo": Headline("`make demo` (4 skills, nano model)", _demo, "docs/demo.md"),
+    "demo": Headline("the demo: a swarm of 4 skills, 4 rounds, nano model", _demo, "docs/demo.md"),
     "poison": Headline("the poisoning drill", _poison, "docs/security-drills.md"),
     "poison-reputed": Headline("the poisoning drill, from keys with a record", _poison, "docs/security-drills.md"),
     "flood": Headline("a round under a record flood", _flood, "docs/security-drills.md"),

@@ -45,18 +45,25 @@ def new_network(name: str, base_model: str, base_hash: str, skills: Sequence[str
                 description: str = "", base_revision: str | None = None, bootstrap: Sequence[str] = (),
                 codec: str = DEFAULT_CODEC, round: RoundPolicy | None = None, merge: MergePolicy | None = None,
                 trust: TrustPolicy | None = None, screen: ScreenPolicy | None = None,
-                skill_versions: Mapping[str, SkillVersion] | None = None) -> NetworkSpec:
+                skill_versions: Mapping[str, SkillVersion] | None = None, replicas: int | None = None,
+                replica_wait_s: float | None = None) -> NetworkSpec:
     """A new network's spec, unsigned and validated: what `net init` and the demo write. A policy left out is the
     records' default, except that a new network searches DEFAULT_LAMBDA_SEARCH (unless `merge` names its own
-    lambdas) and screens with `ScreenPolicy.for_new_network`'s rules; invalid settings raise SpecError."""
+    lambdas) and screens with `ScreenPolicy.for_new_network`'s rules; `replicas` and `replica_wait_s`, when given,
+    set the round policy's copies a coordinator waits for before it leaves. Invalid settings raise SpecError."""
     merge = MergePolicy() if merge is None else merge
+    round = RoundPolicy() if round is None else round
+    if replicas is not None:
+        round = msgspec.structs.replace(round, replicas=replicas)
+    if replica_wait_s is not None:
+        round = msgspec.structs.replace(round, replica_wait_s=replica_wait_s)
     if merge.scale_search is UNSET:
         merge = msgspec.structs.replace(merge, scale_search=list(DEFAULT_LAMBDA_SEARCH))
     try:
         spec = NetworkSpec(
             network=name, description=description, base_model=base_model, base_revision=base_revision,
             base_hash=base_hash, skills=list(skills), coordinators=list(coordinators), bootstrap=list(bootstrap),
-            codec=codec, round=RoundPolicy() if round is None else round, merge=merge,  # type: ignore[arg-type]
+            codec=codec, round=round, merge=merge,  # type: ignore[arg-type]
             trust=TrustPolicy() if trust is None else trust,
             screen=ScreenPolicy.for_new_network() if screen is None else screen,
             skill_versions=dict(skill_versions) if skill_versions else UNSET,  # none: the file reads as before plugins

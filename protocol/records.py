@@ -179,6 +179,11 @@ class SkillMetrics(_Part, kw_only=True):
 MIN_LR_FACTOR = 0.25
 
 
+# Copies of a checkpoint held by other peers before its coordinator leaves, and how long it waits for them.
+DEFAULT_REPLICAS = 2
+DEFAULT_REPLICA_WAIT_S = 600.0
+
+
 class RoundPolicy(_Part, kw_only=True):
     """When a round ends (enough deltas, or the wait ran out), and how long its downloads may take."""
 
@@ -194,6 +199,20 @@ class RoundPolicy(_Part, kw_only=True):
     # before this existed) encodes as nothing and keeps the rate constant. Opt-in: in the 4-round nano demo 0.8 did
     # not keep more of each gain and merged 5 points fewer (docs/merging.md, "What the last round loses").
     lr_decay: Annotated[float, Meta(gt=0.0, le=1.0)] | UnsetType = UNSET
+    # Before a coordinator leaves (`coordinator run --rounds N` done, Ctrl-C, SIGTERM) it keeps serving its latest
+    # checkpoint until this many other peers hold a verified copy of every file of it, or `replica_wait_s` passes:
+    # otherwise the one holder leaves and no pull can succeed. UNSET (as in every file written before these existed)
+    # encodes as nothing and means DEFAULT_REPLICAS and DEFAULT_REPLICA_WAIT_S.
+    replicas: Annotated[int, Meta(ge=0, le=64)] | UnsetType = UNSET
+    replica_wait_s: Annotated[float, Meta(ge=0.0, le=1e6)] | UnsetType = UNSET
+
+    def copies_wanted(self) -> int:
+        """How many other peers must hold a checkpoint before its coordinator leaves."""
+        return DEFAULT_REPLICAS if self.replicas is UNSET else self.replicas
+
+    def copies_wait_s(self) -> float:
+        """The longest a leaving coordinator waits for those copies, in seconds."""
+        return DEFAULT_REPLICA_WAIT_S if self.replica_wait_s is UNSET else self.replica_wait_s
 
     def lr_factor(self, version: int) -> float:
         """What the workers' learning rate is multiplied by on checkpoint `version`."""

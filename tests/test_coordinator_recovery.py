@@ -55,7 +55,8 @@ def test_killed_coordinator_restarts_cleanly(nano_model: Path, tmp_path: Path) -
     key = tmp_path / "coord.key"
     spec_file = tmp_path / "net.toml"
     run_cli("net", "init", "--name", "rec", "--model", str(nano_model), "--skill", "arith", "--min-deltas", "1",
-            "--codec", "dense_fp32", "--screen-eval-n", "0", "--key", str(key), "--out", str(spec_file))
+            "--codec", "dense_fp32", "--screen-eval-n", "0", "--replicas", "0", "--key", str(key),
+            "--out", str(spec_file))
     spec = load_spec(spec_file)
     coord_id = Identity.load(key)
     home = tmp_path / "h-coord"

@@ -204,7 +204,8 @@ def test_net_init_and_the_demo_write_the_same_network_file(tmp_path: Path, tiny_
     demo = make_spec(cfg, tiny_model_dir, Identity.load_or_create(key))
     run_cli("net", "init", "--name", NETWORK, "--model", str(tiny_model_dir), "--skill", "arith", "--skill", "sort",
             "--description", DESCRIPTION, "--codec", cfg.codec, "--steps-per-round", str(cfg.steps_per_round),
-            "--min-deltas", "2", "--max-wait", str(cfg.timeout_s), "--key", str(key), "--out", str(tmp_path / "n.toml"))
+            "--min-deltas", "2", "--max-wait", str(cfg.timeout_s), "--replicas", str(cfg.replicas), "--key", str(key),
+            "--out", str(tmp_path / "n.toml"))
     cli = load_spec(tmp_path / "n.toml")
     assert cli.author == demo.author and cli.screen == cfg.screen and cli.merge.scales() == [1.0, *DEFAULT_LAMBDA_SEARCH]
 

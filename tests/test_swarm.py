@@ -139,7 +139,7 @@ def test_one_round_end_to_end(nano_model: Path, tmp_path: Path) -> None:
     spec_file = tmp_path / "net.toml"
     run_cli("net", "init", "--name", "e2e", "--model", str(nano_model), "--skill", "reverse", "--skill", "sort",
             "--min-deltas", "2", "--steps-per-round", "3", "--method", "ties", "--codec", "lora", "--screen-eval-n", "0",
-            "--key", str(coord_key), "--out", str(spec_file))
+            "--replicas", "0", "--key", str(coord_key), "--out", str(spec_file))
     spec = load_spec(spec_file)
     logs = tmp_path / "logs"
     logs.mkdir()

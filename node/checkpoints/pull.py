@@ -14,6 +14,7 @@ import os
 import shutil
 import stat
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -361,7 +362,8 @@ SHARE_TTL = 120.0  # short: a node that leaves stops being offered to fetchers s
 
 def share(dht: "SwarmDHT", store: CheckpointStore, blobs: BlobStore, manifest: CheckpointManifest) -> None:
     """Serve the files of a local version (and its merged delta when held), so pulls spread over every
-    node that has it instead of all hitting the coordinator."""
+    node that has it instead of all hitting the coordinator. Each is re-announced every third of SHARE_TTL while
+    this node runs (`SwarmDHT.provide`), so a leaving coordinator counts this node's copy (`copy_holders`)."""
     if not store.check(manifest.version):
         raise BlobError(f"local checkpoint v{manifest.version} is missing or damaged (a damaged one is deleted); "
                         "pull it again before serving it")
@@ -372,3 +374,45 @@ def share(dht: "SwarmDHT", store: CheckpointStore, blobs: BlobStore, manifest: C
         dht.provide(f.sha256, store=blobs, ttl=SHARE_TTL)
     if manifest.merged_delta is not None and blobs.has(manifest.merged_delta.sha256):
         dht.provide(manifest.merged_delta.sha256, store=blobs, ttl=SHARE_TTL)
+
+
+def copy_holders(dht: "SwarmDHT", manifest: CheckpointManifest) -> set[str]:
+    """The other peers that hold a verified copy of every file of `manifest` now: each announces the file (a
+    provider record) and, asked, says it holds every piece of it."""
+    held: set[str] | None = None
+    for f in manifest.files:
+        others = [p for p in dht.get_providers(f.sha256, limit=256) if held is None or p.peer_id in held]
+        held = set(dht.holders(f.sha256, f.size, others)) if others else set()
+        if not held:
+            break
+    return held or set()
+
+
+def wait_for_copies(dht: "SwarmDHT", manifest: CheckpointManifest, wanted: int, timeout: float, *, poll: float = 3.0,
+                    leave: threading.Event | None = None) -> int:
+    """Keep serving `manifest` (the caller's node does) until `wanted` other peers hold a copy of every file of it
+    (`copy_holders`), `timeout` seconds pass or `leave` is set, so that its last holder does not leave with it. Logs
+    what it waits for and the outcome, each in one line; returns how many copies it saw."""
+    v = manifest.version
+    if wanted <= 0:
+        return 0
+    log.info("v%d: waiting up to %g s for %d other peer(s) to hold a copy before leaving", v, timeout, wanted)
+    start = time.monotonic()
+    seen = 0
+    while True:
+        try:
+            seen = len(copy_holders(dht, manifest))
+        except (SkillswarmError, OSError) as e:  # a DHT hiccup: ask again on the next look
+            log.debug("could not count the copies of v%d: %s", v, e)
+        if seen >= wanted:
+            log.info("v%d held by %d other peer%s", v, seen, "" if seen == 1 else "s")
+            return seen
+        waited = time.monotonic() - start
+        if waited >= timeout or (leave is not None and leave.is_set()):
+            log.warning("v%d: only %d of %d copies after %g s; leaving", v, seen, wanted, round(waited, 1))
+            return seen
+        pause = min(poll, timeout - waited)
+        if leave is not None:
+            leave.wait(pause)
+        else:
+            time.sleep(pause)

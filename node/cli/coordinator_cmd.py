@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from skillswarm.node.cli.common import JsonOpt, KeyOpt, console, fail, print_json
 from skillswarm.node.cli.swarm_opts import AnnounceOpt, AutoRelayOpt, HostOpt, NetworkOpt, PeersOpt, PortOpt
 from skillswarm.node.rl.config import EVAL_N
+
+if TYPE_CHECKING:
+    from skillswarm.node.roles.coordinator import Coordinator
 
 app = typer.Typer(help="Run a coordinator node.", no_args_is_help=True)
 
@@ -109,4 +112,20 @@ def run(
         finally:
             for tracker in trackers:
                 tracker.close()
+        _hold(coordinator, again=stop.is_set())
     console.print(f"stopped after {len(reports)} merge(s).")
+
+
+def _hold(coordinator: "Coordinator", again: bool) -> None:
+    """Keep serving the latest checkpoint until enough other peers hold it (`Coordinator.hold`); a Ctrl-C after the
+    one that stopped the rounds (`again`: that one came already) leaves at once, with a warning."""
+    current = coordinator.current
+    if current is None or coordinator.spec.round.copies_wanted() <= 0:
+        return
+    console.print(f"v{current.version}: serving it until {coordinator.spec.round.copies_wanted()} other peer(s) hold a "
+                  f"copy; Ctrl-C {'again' if again else 'twice'} to leave now", highlight=False)
+    try:
+        coordinator.hold()
+    except KeyboardInterrupt:
+        console.print(f"[yellow]warning:[/] left without waiting for copies of v{current.version}: once no other peer "
+                      "holds it, it cannot be pulled", highlight=False)

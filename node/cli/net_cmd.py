@@ -92,6 +92,12 @@ def init(
                                                       min=0.0, max=1.0)] = None,
     min_deltas: Annotated[int, typer.Option(help="Deltas a coordinator waits for before merging.", min=1)] = _ROUND.min_deltas,
     max_wait: Annotated[float, typer.Option(help="Seconds a round waits at most.")] = _ROUND.max_wait_s,
+    replicas: Annotated[Optional[int], typer.Option(
+        help="Other peers that must hold a verified copy of a coordinator's latest checkpoint before it leaves (0: "
+             f"leave at once). Default: {_ROUND.copies_wanted()}.", min=0, max=64, show_default=False)] = None,
+    replica_wait: Annotated[Optional[float], typer.Option(
+        help=f"Seconds a leaving coordinator waits at most for those copies. Default: {_ROUND.copies_wait_s():g}.",
+        min=0.0, show_default=False)] = None,
     admission: Annotated[str, typer.Option(help=f"Who may publish deltas, heartbeats and provider records: "
                                                 f"{', '.join(ADMISSIONS)} (allowlist: only the --worker keys, the "
                                                 "coordinators and the bootstrap peers; anyone may still read and pull).")] = _TRUST.admission,
@@ -118,7 +124,8 @@ def init(
             merge=MergePolicy(method=method, density=density, scale=scale,  # type: ignore[arg-type]
                               scale_search=lambda_search or msgspec.UNSET),
             trust=TrustPolicy(admission=admission, workers=worker or []),  # type: ignore[arg-type]
-            screen=ScreenPolicy.for_new_network(eval_n=screen_eval_n, confidence=confidence), skill_versions=pins)
+            screen=ScreenPolicy.for_new_network(eval_n=screen_eval_n, confidence=confidence), skill_versions=pins,
+            replicas=replicas, replica_wait_s=replica_wait)
     except SpecError as e:
         fail(str(e))
     except ValueError as e:  # a policy's own check, e.g. an allowlist without workers
@@ -151,7 +158,9 @@ def show(path: Annotated[Optional[Path], typer.Argument(help="Network file (the 
         ["coordinators", ", ".join(fingerprint(k) for k in spec.coordinators) or "(none: no checkpoint can be trusted)"],
         ["bootstrap", "\n".join(spec.bootstrap) or "(none)"], ["codec", spec.codec],
         ["round", f"{spec.round.steps_per_round} steps, >= {spec.round.min_deltas} deltas, <= {spec.round.max_wait_s:g} s"
-                  + ("" if spec.round.lr_factor(1) == 1.0 else f", learning rate x{spec.round.lr_decay:g} per version")],
+                  + ("" if spec.round.lr_factor(1) == 1.0 else f", learning rate x{spec.round.lr_decay:g} per version")
+                  + f"; a coordinator leaves once {spec.round.copies_wanted()} other peer(s) hold its latest checkpoint "
+                    f"(<= {spec.round.copies_wait_s():g} s)"],
         ["merge", f"{spec.merge.method} (density {spec.merge.density:g}, lambda {spec.merge.scale:g}"
                   f"{''.join(f' or {x:g}' for x in spec.merge.scales()[1:])}, "
                   f"within a skill: {spec.merge.aggregator})"],

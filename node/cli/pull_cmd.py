@@ -31,7 +31,7 @@ def pull_cmd(
     PEFT adapter directory instead (adapter_config.json, adapter_model.safetensors, manifest.msgpack).
     OUT must be new, empty, or an earlier pull, which is replaced (pull never deletes what it did not write)."""
     from skillswarm.merge.codecs import DEFAULT_PARAMS
-    from skillswarm.node.checkpoints.pull import check_out, export, find_checkpoint, pull, write_out
+    from skillswarm.node.checkpoints.pull import check_out, export, find_checkpoint, pull, share, write_out
     from skillswarm.node.network.session import open_session
     from skillswarm.protocol.errors import SkillswarmError
 
@@ -44,13 +44,16 @@ def pull_cmd(
     rank = rank or int(DEFAULT_PARAMS["lora"]["rank"])
     info = None
 
-    with open_session(network, peers=peers, host="0.0.0.0", client_mode=True, ephemeral_key=True) as s:
+    # not a client: while it runs, a pull serves what it holds (pieces as they arrive, then whole files), so pulls
+    # that run at the same time fetch from each other and not all from the coordinator
+    with open_session(network, peers=peers, host="0.0.0.0", ephemeral_key=True) as s:
         manifest = find_checkpoint(s.dht, s.spec, version)
         if manifest is None:
             which = "checkpoint" if version is None else f"checkpoint v{version}"
             fail(f"no {which} signed by a trusted coordinator of {s.spec.network} was found: has a coordinator published "
                  "one yet? (`skillswarm net checkpoints` lists what is on the network)")
         pull(s.dht, s.spec, manifest, s.store, s.blobs, progress=not json)
+        share(s.dht, s.store, s.blobs, manifest)
         if not adapter:
             export(s.store, manifest.version, out)
         else:
@@ -62,6 +65,7 @@ def pull_cmd(
             if genesis is None:
                 fail(f"the genesis checkpoint (the base model) of {s.spec.network} was not found; an adapter needs it")
             pull(s.dht, s.spec, genesis, s.store, s.blobs, progress=not json)
+            share(s.dht, s.store, s.blobs, genesis)
             made = []
             write_out(out, lambda new: made.append(export_checkpoint_adapter(
                 s.store, s.spec, manifest.version, new, rank, progress=not json)), version=manifest.version)

@@ -60,6 +60,8 @@ class DemoConfig:
     # The demo's own, not the network default (int8): lossless deltas, so no codec loss enters its retention figures.
     codec: Codec = "dense_fp32"
     timeout_s: float = 1800.0
+    # One machine: every node's files share its disk, so a leaving coordinator gains nothing by waiting for copies.
+    replicas: int = 0
     screen: ScreenPolicy = field(default_factory=ScreenPolicy.for_new_network)  # what the coordinator checks before merging a delta
 
     def worker_settings(self) -> WorkerSettings:
@@ -73,7 +75,7 @@ def make_spec(cfg: DemoConfig, base: Path, coordinator: Identity) -> NetworkSpec
     """The demo network: the nano base, the skills, the coordinator, a round that waits for every skill."""
     return coordinator.sign_record(new_network(
         NETWORK, str(base), weights_hash(base), cfg.skills, [coordinator.public_key_hex],
-        description=DESCRIPTION, codec=cfg.codec,
+        description=DESCRIPTION, codec=cfg.codec, replicas=cfg.replicas,
         round=RoundPolicy(steps_per_round=cfg.steps_per_round, min_deltas=len(cfg.skills), max_wait_s=cfg.timeout_s,
                           lr_decay=cfg.lr_decay if cfg.lr_decay < 1 else UNSET),
         merge=MergePolicy(method=cfg.method, density=cfg.density, scale=cfg.scale,  # type: ignore[arg-type]

@@ -37,7 +37,7 @@ import msgspec
 from skillswarm.merge.rounds import RoundDelta, included_deltas, round_merge
 from skillswarm.merge.screening import short_reason
 from skillswarm.node.roles import failpoints
-from skillswarm.node.checkpoints.pull import find_checkpoint, local_base, pull, share
+from skillswarm.node.checkpoints.pull import find_checkpoint, local_base, pull, share, wait_for_copies
 from skillswarm.node.rl.config import EVAL_N
 from skillswarm.node.roles.rounds import Candidate, RoundInputs, RoundStrategy, evaluate_all
 from skillswarm.node.checkpoints.store import CheckpointStore, checkpoint_files, link_or_copy, with_trees
@@ -169,6 +169,17 @@ class Coordinator:
         # when this node first saw each delta manifest, (author, blob) -> its clock's time: which of two equal deltas
         # came first (a copy's original), an order no author can write into its manifest
         self.first_seen: dict[tuple[str, str], float] = {}
+        self.current: CheckpointManifest | None = None  # the latest version this node holds and serves
+
+    def hold(self, leave: threading.Event | None = None) -> int:
+        """Before leaving: keep serving the latest checkpoint until the network's `replicas` other peers hold a
+        copy of it or `replica_wait_s` passes (or `leave` is set), so pulls still find it once this node is gone.
+        Returns the copies seen."""
+        if self.current is None:
+            return 0
+        wanted, wait_s = self.spec.round.copies_wanted(), self.spec.round.copies_wait_s()
+        self.state, self.note = "waiting", f"leaving once {wanted} other peer(s) hold v{self.current.version}"
+        return wait_for_copies(self.dht, self.current, wanted, wait_s, poll=self.poll, leave=leave)
 
     # ---- publishing ---------------------------------------------------------------------------------
     def publish(self, manifest: CheckpointManifest) -> None:
@@ -330,7 +341,7 @@ class Coordinator:
         """Merge rounds until `stop` is set or `max_rounds` merges are done. Survives any error of one attempt (the
         module docstring): it is logged, shown in `net status`, and backed off."""
         stop = stop or threading.Event()
-        current = self.recover()
+        current = self.current = self.recover()
         reports: list[RoundReport] = []
         round_start, seen, tried, backoff = time.monotonic(), -1, set(), self.poll
         tried_by: set[str] = set()  # authors of this round's tried deltas
@@ -343,7 +354,9 @@ class Coordinator:
                 newest = find_checkpoint(self.dht, self.spec)
                 if newest is not None and newest.version > current.version:  # another coordinator moved on
                     pull(self.dht, self.spec, newest, self.store, self.blobs, progress=self.progress)
+                    share(self.dht, self.store, self.blobs, newest)
                     current, round_start, backoff = newest, time.monotonic(), self.poll
+                    self.current = current
                     tried, tried_by, earlier = set(), set(), []
                     self.first_seen.clear()
                 online = self.online_workers()
@@ -397,6 +410,7 @@ class Coordinator:
                 continue
             reports.append(report)
             current, round_start, seen, backoff = report.manifest, time.monotonic(), -1, self.poll
+            self.current = current
             tried, tried_by, earlier = set(), set(), []
             self.first_seen.clear()
             self.note = ""

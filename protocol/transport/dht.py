@@ -436,6 +436,21 @@ class SwarmDHT:
         """The root of the blob store this node serves (`serve_blobs`), or None while it serves none."""
         return None if self._store is None else self._store.root
 
+    def holders(self, sha: str, size: int, providers: Sequence[ProviderRecord] | None = None,
+                timeout: float = 10.0) -> list[str]:
+        """Peer ids of the other peers that hold all of blob `sha` (`size` bytes) now: each provider (default: those
+        the DHT lists) is asked which pieces it holds, since a record may be a download just begun or a peer gone."""
+        from skillswarm.protocol.transport.swarm import whole_holders
+        from skillswarm.protocol.transport.wire import Source
+
+        if providers is None:
+            providers = self.get_providers(sha)
+        sources = [Source(p.peer_id, tuple(p.addrs), p.size) for p in providers]
+        if not sources:
+            return []
+        return self.run_coroutine(whole_holders, timeout=timeout * 2 + CALL_TIMEOUT, sha=check_sha256(sha), size=size,
+                                  sources=sources, per_peer_s=timeout)
+
     def unprovide(self, sha: str) -> None:
         """Stop announcing blob `sha` (existing announcements expire on their own)."""
         if self._republisher is not None:

@@ -42,9 +42,9 @@ from skillswarm.protocol.transport.receiving import (
 from skillswarm.protocol.transport.pieces import (
     DIGEST, check_piece_list, held_pieces, piece_count, piece_span, unpack_bits,
 )
-from skillswarm.protocol.transport.streams import recv_exact
+from skillswarm.protocol.transport.streams import open_stream, recv_exact
 from skillswarm.protocol.transport.wire import (
-    GRACE_S, MIN_RATE, BlobRequest, FetchReport, Source, deadline_for, frame,
+    GRACE_S, HANDLER, MIN_RATE, BlobHeader, BlobRequest, FetchReport, Source, deadline_for, frame, frame_length,
 )
 
 logger = logging.getLogger(__name__)
@@ -368,3 +368,39 @@ async def _connect(node: hivemind.DHTNode, sources: list[Source], timeout: float
                                                             [Multiaddr(a) for a in src.addrs]), max(0.01, timeout))
 
     await asyncio.gather(*(one(s) for s in sources if s.addrs))
+
+
+def _holds_whole(control_path: str, src: Source, sha: str, size: int, timeout: float) -> bool:
+    """(Worker thread) whether `src` answers that it holds every piece of blob `sha` (`size` bytes): a complete copy
+    it serves (checked by its store) or a download of it whose pieces are all verified."""
+    by = time.monotonic() + timeout
+    try:
+        sock = open_stream(control_path, src.peer_id, HANDLER, timeout)
+    except OSError:
+        return False
+    try:
+        sock.sendall(frame(BlobRequest(sha=sha, kind="have")))
+        header = msgspec.msgpack.decode(recv_exact(sock, frame_length(recv_exact(sock, 4, by)), by), type=BlobHeader)
+        if header.error or header.size != size:
+            return False
+        n = piece_count(size)
+        return all(unpack_bits(recv_exact(sock, -(-n // 8), by), n))
+    except (OSError, ValueError, msgspec.MsgspecError):
+        return False
+    finally:
+        sock.close()
+
+
+async def whole_holders(dht: hivemind.DHT, node: hivemind.DHTNode, sha: str, size: int, sources: list[Source],
+                        per_peer_s: float = 10.0) -> list[str]:
+    """(In the DHT process) the peer ids among `sources` that hold all of blob `sha` now, each asked which pieces it
+    holds: a provider record alone may be a download just begun, or a peer that has left."""
+    check_sha256(sha)
+    me = node.peer_id.to_base58()
+    sources = [s for s in sources if s.peer_id != me]
+    if not sources:
+        return []
+    await _connect(node, sources, per_peer_s)
+    control_path = node.p2p.daemon_listen_maddr["unix"]
+    answers = await asyncio.gather(*(in_thread(_holds_whole, control_path, s, sha, size, per_peer_s) for s in sources))
+    return [s.peer_id for s, whole in zip(sources, answers) if whole]
