@@ -321,6 +321,7 @@ def _spec(work: Path, base: Path, steps: int) -> tuple[Path, Path]:
     coord_key, spec_file = work / "coordinator.key", work / "net.toml"
     subprocess.run(_cli("net", "init", "--name", NET, "--model", str(base), *[a for s in SKILLS for a in ("--skill", s)],
                         "--min-deltas", "2", "--steps-per-round", str(steps), "--screen-eval-n", "0",
+                        "--replicas", "0",  # the round is measured, not the coordinator's leaving
                         "--key", str(coord_key), "--out", str(spec_file)),
                    check=True, capture_output=True, text=True, cwd=ROOT,
                    env={**os.environ, "SKILLSWARM_HOME": str(work / "h-init")})

@@ -481,7 +481,8 @@ def main() -> None:
             coord = Identity.load_or_create(work / "coordinator.key")
             save_spec(coord.sign_record(new_network(  # no usefulness test, so no lambda search either
                 NET, str(base), weights_hash(base), SKILLS, [coord.public_key_hex], codec="dense_bf16",
-                screen=ScreenPolicy(eval_n=0), trust=TrustPolicy(max_deltas_per_round=128))), work / "net.toml")
+                screen=ScreenPolicy(eval_n=0), trust=TrustPolicy(max_deltas_per_round=128),
+                replicas=0)), work / "net.toml")  # a round's cost is measured, not a coordinator's leaving
             for n in args.workers:
                 row = run_round(n, params, args.rate_mbit * 1e6 / 8, work, status)
                 if args.rate_mbit:
