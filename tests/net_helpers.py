@@ -110,3 +110,36 @@ async def store_at(_dht: Any, node: Any, peer: str, items: list, chunk: int = 25
         assert ok is not None, "the peer did not answer"
         out += list(ok)
     return out
+
+
+def tuned_copy(model: Path, out: Path, seed: int) -> Path:
+    """A 'fine-tuned' model: `model` copied with a small seeded change to a few weights."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, out)
+    (st,) = out.glob("*.safetensors")
+    sd = load_file(str(st))
+    g = torch.Generator().manual_seed(seed)
+    for name in sorted(sd)[:4]:
+        if sd[name].is_floating_point():
+            sd[name] = sd[name] + 0.01 * torch.randn(sd[name].shape, generator=g)
+    save_file(sd, str(st), metadata={"format": "pt"})
+    return out
+
+
+def offer_delta(dht: SwarmDHT, blobs: BlobStore, network: str, base_hash: str, model: Path, work: Path) -> str:
+    """A worker's arith delta on checkpoint v0 of `network`: its blob served by `dht` and its manifest put; the sha."""
+    from skillswarm.merge import compute_delta
+    from skillswarm.protocol.records import DeltaManifest
+
+    delta = compute_delta(model, tuned_copy(model, work / "tuned", 1), work / "d.safetensors", "dense_fp32",
+                          base_hash=base_hash, skill="arith")
+    sha = blobs.add_file(delta.path, move=True)
+    dht.provide(sha, store=blobs)
+    assert dht.put(DeltaManifest(network=network, skill="arith", base_version=0, base_hash=base_hash, blob=sha,
+                                 size=delta.size, codec="dense_fp32", norm=delta.norm,
+                                 num_tensors=delta.num_tensors), 600, keep=True)
+    return sha

@@ -9,36 +9,17 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
-from skillswarm.merge import compute_delta
 from skillswarm.node.checkpoints.store import CheckpointStore
 from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.protocol.transport.dht import SwarmDHT
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.netspec import load_spec
-from skillswarm.protocol.records import DeltaManifest
 from skillswarm.protocol.transport.validation import StorePolicy
 from tests.conftest import ROOT, SKILLSWARM, run_cli
-from tests.net_helpers import wait_for
+from tests.net_helpers import offer_delta, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
-
-
-def _tuned_copy(model: Path, out: Path, seed: int) -> Path:
-    """A 'fine-tuned' model: the nano model with a small seeded change to a few weights."""
-    import shutil
-
-    shutil.copytree(model, out)
-    (st,) = out.glob("*.safetensors")
-    sd = load_file(str(st))
-    g = torch.Generator().manual_seed(seed)
-    for name in sorted(sd)[:4]:
-        if sd[name].is_floating_point():
-            sd[name] = sd[name] + 0.01 * torch.randn(sd[name].shape, generator=g)
-    save_file(sd, str(st), metadata={"format": "pt"})
-    return out
 
 
 def _coordinator(spec_file: Path, maddr: str, key: Path, home: Path, failpoint: str | None) -> subprocess.Popen:
@@ -67,13 +48,7 @@ def test_killed_coordinator_restarts_cleanly(nano_model: Path, tmp_path: Path) -
         maddr = dht.visible_maddrs()[0]
         dht.serve_blobs(worker_blobs)
         dht.start_heartbeat(lambda: dht.make_peer_record(role="worker", skills=["arith"]))  # only online workers count
-        delta = compute_delta(nano_model, _tuned_copy(nano_model, tmp_path / "tuned", 1), tmp_path / "d.safetensors",
-                              "dense_fp32", base_hash=spec.base_hash, skill="arith")
-        sha = worker_blobs.add_file(delta.path, move=True)
-        dht.provide(sha, store=worker_blobs)
-        assert dht.put(DeltaManifest(network="rec", skill="arith", base_version=0, base_hash=spec.base_hash, blob=sha,
-                                     size=delta.size, codec="dense_fp32", norm=delta.norm,
-                                     num_tensors=delta.num_tensors), 600, keep=True)
+        sha = offer_delta(dht, worker_blobs, "rec", spec.base_hash, nano_model, tmp_path)
 
         def published(version: int):
             return dht.get_checkpoint(version, trusted=spec.coordinators)

@@ -21,14 +21,13 @@ from skillswarm.protocol.hashing import weights_hash
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.netspec import load_spec, new_network
 from skillswarm.protocol.records import (
-    DEFAULT_REPLICA_WAIT_S, DEFAULT_REPLICAS, CheckpointManifest, DeltaManifest, FileEntry, RoundPolicy,
+    DEFAULT_REPLICA_WAIT_S, DEFAULT_REPLICAS, CheckpointManifest, FileEntry, RoundPolicy,
 )
 from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.protocol.transport.dht import SwarmDHT
 from skillswarm.protocol.transport.validation import StorePolicy
 from tests.conftest import ROOT, SKILLSWARM, run_cli
-from tests.net_helpers import wait_for
-from tests.test_coordinator_recovery import _tuned_copy
+from tests.net_helpers import offer_delta, wait_for
 
 V3 = CheckpointManifest(network="rep", version=3, parent_version=2, parent_hash="1" * 64, weights_hash="2" * 64,
                         files=[FileEntry(path="config.json", sha256="3" * 64, size=10),
@@ -83,7 +82,6 @@ def test_replicas_setting_keeps_older_files_as_they_were() -> None:
 def test_checkpoint_stays_pullable_after_its_coordinator_leaves(nano_model: Path, tmp_path: Path) -> None:
     """`coordinator run --rounds 1` with replicas=1: it merges v1 and keeps serving it until another peer holds a
     copy; then it exits, and a fresh `pull` gets v1 from that peer alone."""
-    from skillswarm.merge import compute_delta
 
     key, spec_file = tmp_path / "coord.key", tmp_path / "net.toml"
     run_cli("net", "init", "--name", "rep", "--model", str(nano_model), "--skill", "arith", "--min-deltas", "1",
@@ -97,13 +95,7 @@ def test_checkpoint_stays_pullable_after_its_coordinator_leaves(nano_model: Path
         maddr = dht.visible_maddrs()[0]
         dht.serve_blobs(blobs)
         dht.start_heartbeat(lambda: dht.make_peer_record(role="worker", skills=["arith"]))
-        delta = compute_delta(nano_model, _tuned_copy(nano_model, tmp_path / "tuned", 1), tmp_path / "d.safetensors",
-                              "dense_fp32", base_hash=spec.base_hash, skill="arith")
-        sha = blobs.add_file(delta.path, move=True)
-        dht.provide(sha, store=blobs)
-        assert dht.put(DeltaManifest(network="rep", skill="arith", base_version=0, base_hash=spec.base_hash, blob=sha,
-                                     size=delta.size, codec="dense_fp32", norm=delta.norm,
-                                     num_tensors=delta.num_tensors), 600, keep=True)
+        offer_delta(dht, blobs, "rep", spec.base_hash, nano_model, tmp_path)
 
         env = {**os.environ, "SKILLSWARM_HOME": str(tmp_path / "h-coord"), "COLUMNS": "200"}
         env.pop("SKILLSWARM_FAILPOINT", None)
