@@ -11,6 +11,8 @@ subkey* that starts with its author's Ed25519 public key (hex), so the validator
     skillswarm/v1/{net}/checkpoints/latest     {author}               the same manifest, for its newest version
     skillswarm/v1/{net}/skills/{skill}         {author}               SkillStats (one per worker and skill)
     skillswarm/v1/{net}/providers/{sha256}     {author}               ProviderRecord (who serves that blob)
+    skillswarm/v1/{net}/checkpoints/{version}  {author}:archive       ArchivedCheckpoint (an archive node's copy)
+    skillswarm/v1/{net}/checkpoints/latest     {author}:archive       the same, for the newest version it holds
 
 A record's location is a function of its content (`locations`), so a validator recomputes it and drops
 a record stored anywhere else: a record of network A can never appear under network B's keys, nor a
@@ -22,10 +24,11 @@ from __future__ import annotations
 import re
 
 from skillswarm.protocol.records import (
-    CheckpointManifest, DeltaManifest, PeerRecord, ProviderRecord, Record, SkillStats,
+    ArchivedCheckpoint, CheckpointManifest, DeltaManifest, PeerRecord, ProviderRecord, Record, SkillStats,
 )
 from skillswarm.protocol.version import PROTOCOL_VERSION
 
+ARCHIVE_TAG = "archive"  # the subkey tag of an archive node's copies of checkpoint manifests
 _OWNER_SUBKEY = re.compile(r"^([0-9a-f]{64})(?::([a-z0-9][a-z0-9_.-]{0,63}))?$")
 
 
@@ -89,6 +92,9 @@ def locations(record: Record) -> list[tuple[str, str]]:
         return [(deltas_key(net, record.base_version, proto), owner_subkey(author, record.skill))]
     if isinstance(record, CheckpointManifest):
         sub = owner_subkey(author)
+        return [(checkpoint_key(net, record.version, proto), sub), (latest_checkpoint_key(net, proto), sub)]
+    if isinstance(record, ArchivedCheckpoint):
+        sub = owner_subkey(author, ARCHIVE_TAG)
         return [(checkpoint_key(net, record.version, proto), sub), (latest_checkpoint_key(net, proto), sub)]
     if isinstance(record, SkillStats):
         return [(skill_key(net, record.skill, proto), owner_subkey(author))]

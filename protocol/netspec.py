@@ -46,17 +46,21 @@ def new_network(name: str, base_model: str, base_hash: str, skills: Sequence[str
                 codec: str = DEFAULT_CODEC, round: RoundPolicy | None = None, merge: MergePolicy | None = None,
                 trust: TrustPolicy | None = None, screen: ScreenPolicy | None = None,
                 skill_versions: Mapping[str, SkillVersion] | None = None, replicas: int | None = None,
-                replica_wait_s: float | None = None) -> NetworkSpec:
+                replica_wait_s: float | None = None, quorum: int | None = None,
+                failover_s: float | None = None) -> NetworkSpec:
     """A new network's spec, unsigned and validated: what `net init` and the demo write. A policy left out is the
     records' default, except that a new network searches DEFAULT_LAMBDA_SEARCH (unless `merge` names its own
     lambdas) and screens with `ScreenPolicy.for_new_network`'s rules; `replicas` and `replica_wait_s`, when given,
-    set the round policy's copies a coordinator waits for before it leaves. Invalid settings raise SpecError."""
+    set the round policy's copies a coordinator waits for before it leaves; `quorum` (k of the coordinators that
+    must sign a checkpoint) and `failover_s`, when given, are written too. Invalid settings raise SpecError."""
     merge = MergePolicy() if merge is None else merge
     round = RoundPolicy() if round is None else round
     if replicas is not None:
         round = msgspec.structs.replace(round, replicas=replicas)
     if replica_wait_s is not None:
         round = msgspec.structs.replace(round, replica_wait_s=replica_wait_s)
+    if failover_s is not None:
+        round = msgspec.structs.replace(round, failover_s=failover_s)
     if merge.scale_search is UNSET:
         merge = msgspec.structs.replace(merge, scale_search=list(DEFAULT_LAMBDA_SEARCH))
     try:
@@ -67,6 +71,7 @@ def new_network(name: str, base_model: str, base_hash: str, skills: Sequence[str
             trust=TrustPolicy() if trust is None else trust,
             screen=ScreenPolicy.for_new_network() if screen is None else screen,
             skill_versions=dict(skill_versions) if skill_versions else UNSET,  # none: the file reads as before plugins
+            quorum=UNSET if quorum is None else quorum,
         )
         return decode_record(encode_record(spec), NetworkSpec)  # every field's type and bounds, as a reader checks them
     except (ValueError, RecordError) as e:

@@ -32,7 +32,7 @@ ShortText = Annotated[str, Meta(max_length=SHORT_TEXT_CHARS)]
 Text = Annotated[str, Meta(max_length=1024)]
 Params = Annotated[dict[Annotated[str, Meta(pattern=r"^[a-z][a-z0-9_]{0,31}$")], Real], Meta(max_length=32)]
 
-Role = Literal["worker", "coordinator", "bootstrap", "observer"]
+Role = Literal["worker", "coordinator", "bootstrap", "observer", "archive"]
 Engine = Literal["hf", "vllm", "none"]
 Codec = Literal["dense_fp32", "dense_bf16", "dense_fp16", "topk", "int8", "lora"]
 MergeMethod = Literal["linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs"]
@@ -182,6 +182,8 @@ MIN_LR_FACTOR = 0.25
 # Copies of a checkpoint held by other peers before its coordinator leaves, and how long it waits for them.
 DEFAULT_REPLICAS = 2
 DEFAULT_REPLICA_WAIT_S = 600.0
+# How long past its round's wait an online leader may run before the next coordinator takes the round over.
+DEFAULT_FAILOVER_S = 300.0
 
 
 class RoundPolicy(_Part, kw_only=True):
@@ -205,6 +207,14 @@ class RoundPolicy(_Part, kw_only=True):
     # encodes as nothing and means DEFAULT_REPLICAS and DEFAULT_REPLICA_WAIT_S.
     replicas: Annotated[int, Meta(ge=0, le=64)] | UnsetType = UNSET
     replica_wait_s: Annotated[float, Meta(ge=0.0, le=1e6)] | UnsetType = UNSET
+    # With several coordinators: how long past `max_wait_s` a round's leader, still online, may take before the next
+    # coordinator in the round's order runs the round (node/roles/leadership.py). A leader that goes offline is
+    # replaced as soon as its heartbeat expires. UNSET (as in older files) means DEFAULT_FAILOVER_S.
+    failover_s: Annotated[float, Meta(gt=0.0, le=1e6)] | UnsetType = UNSET
+
+    def overdue_s(self) -> float:
+        """Seconds after a round began at which its online leader counts as silent (`max_wait_s` + `failover_s`)."""
+        return self.max_wait_s + (DEFAULT_FAILOVER_S if self.failover_s is UNSET else self.failover_s)
 
     def copies_wanted(self) -> int:
         """How many other peers must hold a checkpoint before its coordinator leaves."""
@@ -341,14 +351,24 @@ class NetworkSpec(Record, tag="network", kw_only=True):
     # The third-party (plugin) skills' versions. UNSET (no plugin skill) encodes as nothing at all, so a
     # file written before the field existed reads, and verifies, exactly as it did.
     skill_versions: Annotated[dict[Name, SkillVersion], Meta(max_length=64)] | UnsetType = UNSET
+    # k of the n `coordinators` must sign the same checkpoint before any node accepts it (protocol/quorum.py). UNSET
+    # (every file written before it existed) encodes as nothing and means 1: one coordinator's signature suffices.
+    quorum: Annotated[int, Meta(ge=1, le=32)] | UnsetType = UNSET
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _unique("skills", self.skills)
         _unique("coordinators", self.coordinators)
+        if self.quorum is not UNSET and self.coordinators and self.quorum > len(self.coordinators):
+            raise ValueError(f"`quorum` is {self.quorum} but the network lists {len(self.coordinators)} coordinator(s); "
+                             "no checkpoint could ever be accepted")
         stray = sorted(set(self.plugin_versions()) - set(self.skills))
         if stray:
             raise ValueError(f"`skill_versions` names {stray}, which are not among the network's `skills`")
+
+    def quorum_k(self) -> int:
+        """How many of the network's coordinators must sign the same checkpoint before it is accepted."""
+        return 1 if self.quorum is UNSET else self.quorum
 
     def plugin_versions(self) -> dict[str, SkillVersion]:
         """The pinned plugin skills (name -> version); empty when every skill is a built-in."""
@@ -436,7 +456,17 @@ class ProviderRecord(Record, tag="provider", kw_only=True):
     addrs: Annotated[list[Multiaddr], Meta(max_length=16)] = []
 
 
-AnyRecord = Union[NetworkSpec, PeerRecord, DeltaManifest, CheckpointManifest, SkillStats, ProviderRecord]
+class ArchivedCheckpoint(Record, tag="archived", kw_only=True):
+    """An archive node's copy of one version's signed checkpoint manifests (each coordinator's signature on it, as
+    it was published), so the version stays findable after its coordinators are gone and their records expired.
+    Its author vouches for nothing: every reader checks each manifest's own signature and the network's quorum."""
+
+    version: Version
+    manifests: Annotated[list[Annotated[bytes, Meta(max_length=64 * 1024)]], Meta(min_length=1, max_length=32)]
+
+
+AnyRecord = Union[NetworkSpec, PeerRecord, DeltaManifest, CheckpointManifest, SkillStats, ProviderRecord,
+                  ArchivedCheckpoint]
 RECORD_TYPES: tuple[type[Record], ...] = AnyRecord.__args__  # type: ignore[attr-defined]
 
 # Encoded-size caps per kind. DHT values stay a few KB: a read of a key carries all its values in one message,
@@ -451,6 +481,7 @@ MAX_BYTES: dict[str, int] = {
     "checkpoint": 64 * 1024,
     "skill_stats": 4 * 1024,
     "provider": 4 * 1024,
+    "archived": 192 * 1024,  # the signatures of one version: several manifests of a few KB
 }
 MAX_RECORD_BYTES = max(MAX_BYTES.values())
 

@@ -147,7 +147,7 @@ def test_an_all_rejected_round_backs_off_deletes_its_blobs_and_lists_them_later(
 def test_a_round_whose_every_online_worker_was_rejected_ends_with_the_weights_unchanged(swarm: Swarm) -> None:
     """No online worker is left to send a better delta, so the round ends: v1 keeps v0's weights and lists the
     rejection, instead of the network waiting for a delta nobody will send."""
-    from skillswarm.node.roles.coordinator import verify_checkpoint
+    from skillswarm.node.roles.verification import verify_checkpoint
 
     liar = swarm.publish(swarm.worker(online=True), seed=5, norm=123.0)
     swarm.thread.join(120)
@@ -170,7 +170,7 @@ def _repair_of_v1(swarm: Swarm) -> tuple[CheckpointManifest, object]:
 
     from skillswarm.merge import round_merge
     from skillswarm.merge.recipe_params import layer_index
-    from skillswarm.node.roles.coordinator import merge_inputs, policy_from_manifest
+    from skillswarm.node.roles.verification import merge_inputs, policy_from_manifest
 
     swarm.publish(swarm.worker(online=True), seed=6)
     swarm.thread.join(120)
@@ -193,7 +193,7 @@ def _repair_of_v1(swarm: Swarm) -> tuple[CheckpointManifest, object]:
 def test_verify_recomputes_a_delta_merged_as_a_repair_of_its_first_layers(swarm: Swarm) -> None:
     """A manifest whose delta entry says `layers` (a saturated skill's repair) is recomputed in those layers only: the
     checkpoint merged that way verifies, and the same entry on the round that merged it whole does not."""
-    from skillswarm.node.roles.coordinator import verify_checkpoint
+    from skillswarm.node.roles.verification import verify_checkpoint
 
     v1, result = _repair_of_v1(swarm)
     store = swarm.coordinator.store
@@ -215,7 +215,7 @@ def test_a_manifest_of_the_previous_protocol_still_verifies(swarm: Swarm) -> Non
     """A checkpoint manifest as a protocol-1 coordinator signed it (a repair's layers in the entry's `layers` figure,
     no `layers` field) decodes, passes its signature check, and `--verify` recomputes its merge in those layers; the
     same manifest taken for protocol 2 names the merge of the whole delta, which is not what it published."""
-    from skillswarm.node.roles.coordinator import verify_checkpoint
+    from skillswarm.node.roles.verification import verify_checkpoint
     from skillswarm.protocol.codec import decode_record, encode_record
     from skillswarm.protocol.identity import verify_record
     from skillswarm.protocol.records import LAYERS_SINCE_PROTOCOL, LEGACY_LAYERS_FIGURE

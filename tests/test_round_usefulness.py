@@ -189,7 +189,7 @@ def test_the_merge_takes_another_lambda_only_where_it_is_significantly_better(na
     # first-look tasks show: the search takes 1, writes that merge, and says so for the manifest. A network at lambda
     # 1 offered 0.2 keeps 1. Task arithmetic: the merge of one delta at lambda L is the parent + L x the delta.
     from skillswarm.merge import merge_checkpoint
-    from skillswarm.node.roles.coordinator import merge_params, policy_from_manifest
+    from skillswarm.node.roles.verification import merge_params, policy_from_manifest
 
     torch.set_num_threads(1)
     base_hash = weights_hash(nano_model)

@@ -31,10 +31,11 @@ log = logging.getLogger(__name__)
 
 
 def find_checkpoint(dht: "SwarmDHT", spec: NetworkSpec, version: int | None = None) -> CheckpointManifest | None:
-    """The manifest of `version` (default: the latest), signed by one of the spec's coordinators and
-    consistent with the spec's base model; untrusted or inconsistent manifests are ignored."""
-    trusted = spec.coordinators
-    found = dht.latest_checkpoint(trusted=trusted) if version is None else dht.get_checkpoint(version, trusted=trusted)
+    """The manifest of `version` (default: the latest) signed by as many of the spec's coordinators as its quorum
+    asks, and consistent with the spec's base model; untrusted or inconsistent manifests are ignored."""
+    trusted, k = spec.coordinators, spec.quorum_k()
+    found = (dht.latest_checkpoint(trusted=trusted, quorum=k) if version is None
+             else dht.get_checkpoint(version, trusted=trusted, quorum=k))
     if found is not None and found.version == 0 and found.weights_hash != spec.base_hash:
         log.warning("ignoring a genesis checkpoint whose weights are not the network's base model")
         return None

@@ -42,7 +42,8 @@ def run(
 ) -> None:
     """Collect, verify, screen and merge each round's deltas; evaluate every skill; publish the signed
     checkpoint. A coordinator killed mid-round restarts without publishing a version twice."""
-    from skillswarm.node.roles.coordinator import Coordinator, MergeOptions, verify_checkpoint
+    from skillswarm.node.roles.coordinator import Coordinator
+    from skillswarm.node.roles.verification import MergeOptions, verify_checkpoint
     from skillswarm.node.checkpoints.pull import find_checkpoint
     from skillswarm.node.network.session import open_session, stop_on_signals
     from skillswarm.protocol.netspec import load_spec
@@ -94,6 +95,11 @@ def run(
                 console.print(f"round v{data['version']}: {data['deltas']} delta(s)")
             elif kind == "waiting":
                 console.print(data["note"], highlight=False)
+            elif kind == "cosigned":
+                console.print(f"v{data['version']}: recomputed the leader's merge here and co-signed it "
+                              f"({data['signers']} signature(s) seen)")
+            elif kind == "failover":
+                console.print(f"round v{data['version']}: its leader is offline or silent; this node runs it")
             elif kind == "merged":
                 accs = ", ".join(f"{k} {v:.2f}" for k, v in data["metrics"].items())
                 at = f" at lambda {data['lambda']:g}" if data.get("lambda") is not None else ""
@@ -113,7 +119,8 @@ def run(
             for tracker in trackers:
                 tracker.close()
         _hold(coordinator, again=stop.is_set())
-    console.print(f"stopped after {len(reports)} merge(s).")
+        served = s.dht.served_bytes()
+    console.print(f"stopped after {len(reports)} merge(s); uploaded {served / 1e6:.1f} MB to peers.")
 
 
 def _hold(coordinator: "Coordinator", again: bool) -> None:

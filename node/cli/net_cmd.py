@@ -74,6 +74,14 @@ def init(
     skill: Annotated[list[str], typer.Option(help="A skill shard; repeat for each.")],
     out: Annotated[Path, typer.Option(help="Where to write the network file.")] = Path("network.toml"),
     coordinator: Annotated[Optional[list[str]], typer.Option(help="Trusted coordinator public key (hex); repeatable. Default: yours.")] = None,
+    quorum: Annotated[Optional[int], typer.Option(
+        help="How many of the coordinators must sign the same checkpoint before nodes accept it (k of n). More than "
+             "half of them: two checkpoints of one version can never both be accepted. Default: 1.",
+        min=1, max=32, show_default=False)] = None,
+    failover: Annotated[Optional[float], typer.Option(
+        help="Seconds past --max-wait an online round leader may take before the next coordinator runs the round "
+             f"(an offline one is replaced at once). Default: {_ROUND.overdue_s() - _ROUND.max_wait_s:g}.",
+        min=1.0, show_default=False)] = None,
     bootstrap: Annotated[Optional[list[str]], typer.Option(help="Bootstrap peer multiaddr; repeatable.")] = None,
     revision: Annotated[Optional[str], typer.Option(help="Hub revision of the base model.")] = None,
     description: Annotated[str, typer.Option(help="One line about the network.")] = "",
@@ -125,7 +133,7 @@ def init(
                               scale_search=lambda_search or msgspec.UNSET),
             trust=TrustPolicy(admission=admission, workers=worker or []),  # type: ignore[arg-type]
             screen=ScreenPolicy.for_new_network(eval_n=screen_eval_n, confidence=confidence), skill_versions=pins,
-            replicas=replicas, replica_wait_s=replica_wait)
+            replicas=replicas, replica_wait_s=replica_wait, quorum=quorum, failover_s=failover)
     except SpecError as e:
         fail(str(e))
     except ValueError as e:  # a policy's own check, e.g. an allowlist without workers
@@ -134,6 +142,11 @@ def init(
     pinned = "".join(f"; {n} {p.version} from {p.distribution}" for n, p in pins.items())
     console.print(f"wrote [bold]{out}[/] for network [bold]{name}[/] (base {base_hash[:12]}, {len(skill)} skills"
                   f"{pinned})", highlight=False)
+    n, k = len(spec.coordinators), spec.quorum_k()
+    if n > 1 and 2 * k <= n:
+        console.print(f"[yellow]warning:[/] a quorum of {k} of {n} coordinators is not a majority: two coordinators "
+                      "racing for one version could each have theirs accepted; use --quorum "
+                      f"{n // 2 + 1} or more", highlight=False)
 
 
 @app.command("show")
@@ -230,11 +243,23 @@ def serve(
     auto_relay: Annotated[bool, typer.Option("--auto-relay", help="Behind NAT without a forwarded port: become reachable through relays.")] = False,
     relay: Annotated[bool, typer.Option("--relay/--no-relay", help="Use and offer circuit relays.")] = True,
     heartbeat: Annotated[float, typer.Option(help="Seconds between announcements (records expire after 3 beats).")] = 10.0,
+    archive: Annotated[Optional[Path], typer.Option(
+        "--archive", help="Also archive the network (needs --network): pin every accepted checkpoint (signed manifests, "
+                          "files, merged delta) under this directory, serve them, and keep their records in the DHT "
+                          "across restarts of any peer.")] = None,
+    quota_gb: Annotated[Optional[float], typer.Option(
+        help="With --archive: the most its checkpoint files may take (GB); the oldest versions' files go first, "
+             "never the newest. Default: no limit.", min=0.001, show_default=False)] = None,
+    refresh: Annotated[float, typer.Option(
+        help="With --archive: seconds between re-storing its records (also at once when a new peer connects).",
+        min=1.0)] = 600.0,
     key: KeyOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Run a DHT peer (a bootstrap for others) with the project's record validators and storage caps until
-    Ctrl-C or SIGTERM; with --network, it stores only what that network admits."""
+    Ctrl-C or SIGTERM; with --network, it stores only what that network admits; with --archive, it also keeps the
+    network's checkpoints pullable (an archive node)."""
+    import json as json_lib
     import signal
     import threading
 
@@ -243,6 +268,8 @@ def serve(
     from skillswarm.protocol.transport.validation import StorePolicy
 
     spec = load_spec(network) if network else None
+    if archive is not None and spec is None:
+        fail("--archive needs --network FILE: an archive keeps the checkpoints of one network")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -251,13 +278,21 @@ def serve(
                    policy=StorePolicy.from_spec(spec) if spec else None)
     with dht:
         maddrs = dht.visible_maddrs()
+        keeper = None
+        if spec is not None and archive is not None:
+            from skillswarm.node.roles.archive import Archive
+
+            keeper = Archive(spec, dht.identity, dht, archive, refresh_s=refresh,
+                             quota_bytes=None if quota_gb is None else int(quota_gb * 1e9), poll=min(5.0, refresh))
+            dht.serve_blobs(keeper.blobs)
         if spec is not None:
             hardware = probe_hardware()
-            dht.start_heartbeat(lambda: dht.make_peer_record(role="bootstrap", hardware=hardware, state="idle"),
-                                interval=heartbeat, ttl=3 * heartbeat)
+            role = "bootstrap" if keeper is None else "archive"
+            dht.start_heartbeat(lambda: dht.make_peer_record(
+                role=role, hardware=hardware, state=keeper.state if keeper else "idle",  # type: ignore[arg-type]
+                note=keeper.note if keeper else "", checkpoint_version=keeper.store.latest() if keeper else None),
+                interval=heartbeat, ttl=3 * heartbeat)
         if json:  # one line, so a supervising script can read it while the peer keeps running
-            import json as json_lib
-
             console.file.write(json_lib.dumps({"peer_id": dht.identity.peer_id, "maddrs": maddrs,
                                                "network": spec.network if spec else None}) + "\n")
             console.file.flush()
@@ -269,11 +304,22 @@ def serve(
                 console.print(f"  {m}", highlight=False, soft_wrap=True)
             console.print("Ctrl-C to stop.")
             console.file.flush()  # others wait for these lines (scripts, tests)
+        worker = None
+        if keeper is not None:
+            worker = threading.Thread(target=keeper.run, args=(stop,), name="skillswarm-archive", daemon=True)
+            worker.start()
         while not stop.wait(1.0):
             if not dht.is_running:
                 fail("the DHT process stopped unexpectedly; see the log above")
-    if not json:
-        console.print("stopped.")
+            if worker is not None and not worker.is_alive():
+                fail("the archive stopped unexpectedly; see the log above")
+        if worker is not None:
+            worker.join(30)
+        served = dht.served_bytes()
+    if json:
+        console.file.write(json_lib.dumps({"stopped": True, "served_bytes": served}) + "\n")
+    else:
+        console.print(f"stopped; uploaded {served / 1e6:.1f} MB to peers.")
 
 
 @app.command("peers")
@@ -329,6 +375,13 @@ def status(
     for c in view["coordinators"]:
         trust = "" if c["trusted"] else " (not trusted by this network file)"
         rows.append([f"coordinator {_short(c['peer_id'])}", f"{c['state']}{trust}" + (f": {c['note']}" if c["note"] else "")])
+    if len(spec.coordinators) > 1:
+        rows.append(["quorum", f"{view['quorum']} of {len(spec.coordinators)} coordinators sign each checkpoint"])
+        rows.append(["round leader", view["leader"] or "no trusted coordinator online"])
+        for sig in view["signatures"]:
+            mark = "accepted" if sig["accepted"] else f"{len(sig['signers'])} of {view['quorum']}"
+            rows.append([f"v{sig['version']} {sig['weights_hash']}", f"{mark}: signed by {', '.join(sig['signers'])}"])
+        rows.append(["failovers", ", ".join(f"v{v}" for v in view["failovers"]) or "none"])
     if not spec.coordinators:
         rows.append(["note", "the network file trusts no coordinator: no checkpoint is accepted"])
     console.print(table(f"status of {spec.network} (this node's view)", ["", ""], rows))

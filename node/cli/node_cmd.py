@@ -71,4 +71,5 @@ def run(
                         WorkerOptions(skill=skill, settings=chosen, progress=progress), on_event=event)
         worker.start_heartbeat()
         done = worker.run(stop, max_rounds=rounds, wait_timeout=wait_timeout)
-    console.print(f"stopped after {done} round(s).")
+        served = s.dht.served_bytes()
+    console.print(f"stopped after {done} round(s); uploaded {served / 1e6:.1f} MB to peers.")

@@ -40,7 +40,8 @@ def compare_methods(obs, spec: NetworkSpec, final: CheckpointManifest, cfg: Demo
     import shutil
 
     from skillswarm.merge import round_merge
-    from skillswarm.node.roles.coordinator import evaluate_all, merge_inputs
+    from skillswarm.node.roles.coordinator import evaluate_all
+    from skillswarm.node.roles.verification import merge_inputs
 
     parent_dir, deltas = merge_inputs(spec, obs.dht, obs.store, obs.blobs, final)
     out: dict[str, dict] = {}

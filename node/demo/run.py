@@ -97,7 +97,7 @@ def run_demo(cfg: DemoConfig, base: Path, on_status: Callable[[DemoStatus], None
                 time.sleep(2.0)
             status.phase = "pulling"
             notify(status)
-            history = [obs.dht.get_checkpoint(v, trusted=spec.coordinators) for v in range(1, final.version + 1)]
+            history = [obs.dht.get_checkpoint(v, trusted=spec.coordinators, quorum=spec.quorum_k()) for v in range(1, final.version + 1)]
             deltas = {v: obs.dht.get_deltas(v) for v in range(final.version)}
             pull(obs.dht, spec, final, obs.store, obs.blobs, progress=False)
             export(obs.store, final.version, cfg.out / "final")

@@ -25,7 +25,7 @@ def peers_view(dht: Any, spec: NetworkSpec) -> dict[str, Any]:
 def status_view(dht: Any, spec: NetworkSpec, joined: list[str]) -> dict[str, Any]:
     """Peers by role, workers per skill, checkpoint versions, deltas on the latest, coordinators' states."""
     online = dht.get_peers()
-    checkpoints = dht.get_checkpoints(trusted=spec.coordinators)
+    checkpoints = dht.get_checkpoints(trusted=spec.coordinators, quorum=spec.quorum_k())
     latest = max((c.version for c in checkpoints), default=None)
     deltas = dht.get_deltas(latest if latest is not None else 0)
     return {
@@ -36,14 +36,36 @@ def status_view(dht: Any, spec: NetworkSpec, joined: list[str]) -> dict[str, Any
         "deltas_on_latest": len(deltas), "trusted_coordinators": len(spec.coordinators),
         "coordinators": [{"peer_id": p.peer_id, "state": p.state, "note": p.note,
                           "trusted": p.author in spec.coordinators} for p in online if p.role == "coordinator"],
+        **leadership_view(dht, spec, online, checkpoints),
     }
+
+
+def leadership_view(dht: Any, spec: NetworkSpec, online: list, checkpoints: list[CheckpointManifest]) -> dict[str, Any]:
+    """With several coordinators: the quorum, who leads the round on the latest checkpoint, the signatures
+    collected on the latest and the next version, and the rounds a coordinator took over (a version first signed
+    by another than its round's first leader: node/roles/leadership.py)."""
+    from skillswarm.node.roles.leadership import round_leader, round_order
+
+    k, coords = spec.quorum_k(), spec.coordinators
+    latest = max((c.version for c in checkpoints), default=None)
+    live = {p.author for p in online if p.role == "coordinator"} & set(coords)
+    leader = round_leader(coords, latest, live, 0.0, spec.round.overdue_s()) if latest is not None else None
+    signatures = []
+    for v in ([] if latest is None else [latest, latest + 1]):
+        for e in dht.checkpoint_endorsements(v, trusted=coords):
+            signatures.append({"version": v, "digest": e.digest[:12], "weights_hash": e.manifest.weights_hash[:12],
+                               "signers": [fingerprint(a) for a in e.signers], "accepted": len(e.signers) >= k})
+    failovers = [c.version for c in checkpoints if c.parent_version is not None and len(coords) > 1
+                 and c.author != round_order(coords, c.parent_version)[0]]
+    return {"quorum": k, "leader": None if leader is None else fingerprint(leader), "signatures": signatures,
+            "failovers": failovers}
 
 
 def skills_view(dht: Any, spec: NetworkSpec) -> dict[str, Any]:
     """Each skill shard: workers online, each contributor's latest progress, the latest merged accuracy."""
     online = dht.get_peers()
     stats = {s: dht.get_skill_stats(s) for s in spec.skills}
-    latest = dht.latest_checkpoint(trusted=spec.coordinators)
+    latest = dht.latest_checkpoint(trusted=spec.coordinators, quorum=spec.quorum_k())
     now = time.time()
     out = []
     for s in spec.skills:
@@ -62,12 +84,12 @@ def skills_view(dht: Any, spec: NetworkSpec) -> dict[str, Any]:
 
 def deltas_view(dht: Any, spec: NetworkSpec, version: int | None = None) -> dict[str, Any]:
     """Deltas per base version (default: the latest and the one before) with their screening result."""
-    latest = dht.latest_checkpoint(trusted=spec.coordinators)
+    latest = dht.latest_checkpoint(trusted=spec.coordinators, quorum=spec.quorum_k())
     top = latest.version if latest else 0
     versions = [version] if version is not None else sorted({max(top - 1, 0), top})
     out = []
     for v in versions:
-        m = dht.get_checkpoint(v + 1, trusted=spec.coordinators)
+        m = dht.get_checkpoint(v + 1, trusted=spec.coordinators, quorum=spec.quorum_k())
         included = {d.blob for d in m.included} if m else set()
         reasons = {r.blob: r.reason for r in m.rejected} if m else {}
         # merged on credit: inconclusive on its skill, from a key with a record (node/roles/rounds/usefulness.py)
@@ -98,7 +120,7 @@ def _layers(manifest: CheckpointManifest, ref: DeltaRef) -> int | None:
 def checkpoints_view(dht: Any, spec: NetworkSpec) -> dict[str, Any]:
     """Checkpoint history signed by trusted coordinators (parents, method, deltas in and out, metrics)."""
     return {"network": spec.network, "checkpoints": [
-        {**msgspec.to_builtins(c), "signature": c.signature.hex()} for c in dht.get_checkpoints(trusted=spec.coordinators)]}
+        {**msgspec.to_builtins(c), "signature": c.signature.hex()} for c in dht.get_checkpoints(trusted=spec.coordinators, quorum=spec.quorum_k())]}
 
 
 def snapshot(dht: Any, spec: NetworkSpec, joined: list[str]) -> dict[str, Any]:

@@ -16,6 +16,12 @@ error they did not foresee (a bug, or a hostile input no check caught) fails onl
 recorded as rejected with the error (not held against their keys: which one caused it is unknown), never tried
 again, and the round goes on as an all-rejected one. A crash would restart into the same delta.
 
+Several coordinators (the network's `coordinators`, with a `quorum` k): one leads each round
+(node/roles/leadership.py); the others recompute its merge from its manifest and, when the weights and the merged
+delta hash the same, sign the same manifest with their own key. Nodes accept a version once k coordinators signed
+it (protocol/quorum.py). A coordinator signs at most one manifest per version, ever (its store holds what it
+signed), and a leader that finds another's manifest for its version before committing its own drops it.
+
 Crash safety: a checkpoint is built in a staging dir and committed (with its signed manifest) by a
 rename before it is published; on restart, staging debris is removed and a committed but unpublished
 version is published as it was signed, so a version is never merged or published twice.
@@ -34,9 +40,10 @@ from typing import Callable
 
 import msgspec
 
-from skillswarm.merge.rounds import RoundDelta, included_deltas, round_merge
 from skillswarm.merge.screening import short_reason
 from skillswarm.node.roles import failpoints
+from skillswarm.node.roles.leadership import round_leader, round_order
+from skillswarm.node.roles.verification import MergeOptions, merge_params, verify_checkpoint
 from skillswarm.node.checkpoints.pull import find_checkpoint, local_base, pull, share, wait_for_copies
 from skillswarm.node.rl.config import EVAL_N
 from skillswarm.node.roles.rounds import Candidate, RoundInputs, RoundStrategy, evaluate_all
@@ -44,12 +51,12 @@ from skillswarm.node.checkpoints.store import CheckpointStore, checkpoint_files,
 from skillswarm.protocol.codec import encode_record
 from skillswarm.protocol.errors import RecordError, SkillswarmError, SpecError
 from skillswarm.protocol.hashing import weights_hash
-from skillswarm.protocol.identity import Identity
+from skillswarm.protocol.identity import Identity, fingerprint
+from skillswarm.protocol.quorum import Endorsement, body_digest
 from skillswarm.protocol.records import (
     CheckpointManifest,
     DeltaManifest,
     FileEntry,
-    MergePolicy,
     NetworkSpec,
     Rejection,
 )
@@ -58,24 +65,10 @@ from skillswarm.protocol.transport.blobs import BlobStore
 log = logging.getLogger(__name__)
 
 MANIFEST_TTL = 24 * 3600.0  # re-stored every ttl/3 while the coordinator runs
-MAX_DELTA_BYTES = 64 << 30
 KEEP_DELTA_ROUNDS = 8  # a merged round's deltas stay here (and served, for --verify) this many versions
 
-__all__ = ["Coordinator", "MergeOptions", "RoundReport", "RoundRejected", "Verification", "evaluate_all",
-           "merge_inputs", "verify_checkpoint"]
-
-
-@dataclass(frozen=True)
-class MergeOptions:
-    """How this machine runs a merge (never what it computes: any values give the same bits). None: the
-    merge engine's defaults."""
-
-    threads: int | None = None  # merge compute threads
-    chunk_elems: int | None = None  # elements per row chunk: memory per input
-
-    def kwargs(self) -> dict[str, int]:
-        """The keyword arguments of `round_merge` (and `merge_checkpoint`) these options set."""
-        return {k: v for k, v in (("workers", self.threads), ("chunk_elems", self.chunk_elems)) if v}
+__all__ = ["Coordinator", "RoundReport", "RoundRejected", "Superseded", "evaluate_all", "fit_manifest",
+           "genesis_manifest"]
 
 
 @dataclass
@@ -89,6 +82,11 @@ class RoundReport:
     step_seconds: dict[str, float] = field(default_factory=dict)
 
 
+class Superseded(SkillswarmError):
+    """Another coordinator's manifest for this version appeared before this node signed its own: it checks that
+    one instead of publishing a second."""
+
+
 class RoundRejected(SkillswarmError):
     """Every candidate of a round was rejected; nothing to merge until new deltas arrive."""
 
@@ -96,22 +94,6 @@ class RoundRejected(SkillswarmError):
         reasons = "; ".join(f"{r.skill} {r.blob[:8]}: {r.reason}" for r in rejected[:4])
         super().__init__(f"every delta of round v{version} was rejected ({len(rejected)}): {reasons}"[:1000])
         self.rejected, self.eval_seed = rejected, eval_seed
-
-
-def merge_params(policy: MergePolicy, seed: int) -> dict[str, float]:
-    """Everything needed to recompute a merge, as recorded in the manifest's `params`."""
-    return {"density": policy.density, "lambda": policy.scale, "trim_fraction": policy.trim_fraction,
-            "max_norm_ratio": policy.max_norm_ratio, "seed": float(seed)}
-
-
-def policy_from_manifest(m: CheckpointManifest) -> tuple[MergePolicy, int]:
-    """The merge policy and seed a manifest says it was made with (for `--verify`)."""
-    p, d = m.params, MergePolicy()  # what a manifest leaves out is the policy's default
-    policy = MergePolicy(method=m.method or d.method, aggregator=m.aggregator or d.aggregator,
-                         density=p.get("density", d.density), scale=p.get("lambda", d.scale),
-                         trim_fraction=p.get("trim_fraction", d.trim_fraction),
-                         max_norm_ratio=p.get("max_norm_ratio", d.max_norm_ratio))
-    return policy, int(p.get("seed", m.parent_version or 0))
 
 
 def genesis_manifest(spec: NetworkSpec, identity: Identity, base: Path,
@@ -170,6 +152,70 @@ class Coordinator:
         # came first (a copy's original), an order no author can write into its manifest
         self.first_seen: dict[tuple[str, str], float] = {}
         self.current: CheckpointManifest | None = None  # the latest version this node holds and serves
+        self.refused: set[str] = set()  # body digests of other coordinators' manifests whose merge did not recompute
+        self.took_over: set[int] = set()  # rounds (by parent version) this node led in place of one offline or silent
+
+    @property
+    def shared(self) -> bool:
+        """Whether the network has other coordinators (leadership and co-signing apply)."""
+        return len(self.spec.coordinators) > 1
+
+    def signed(self, version: int) -> CheckpointManifest | None:
+        """The manifest of `version` this node signed (led or co-signed), if any: it never signs another."""
+        if self.store.has(version):
+            m = self.store.manifest(version)
+            if m.author == self.identity.public_key_hex:
+                return m
+        return None
+
+    def proposals(self, version: int) -> list[Endorsement]:
+        """Other coordinators' manifests of `version` not yet refused here, most signed first."""
+        return [e for e in self.dht.checkpoint_endorsements(version, trusted=self.spec.coordinators)
+                if e.digest not in self.refused]
+
+    def leader(self, current: CheckpointManifest, elapsed_s: float) -> str | None:
+        """Who leads the round on `current` now, among the trusted coordinators online (this one counts as online)."""
+        online = {p.author for p in self.dht.get_peers() if p.role == "coordinator"} & set(self.spec.coordinators)
+        online.add(self.identity.public_key_hex)
+        return round_leader(self.spec.coordinators, current.version, online, elapsed_s, self.spec.round.overdue_s())
+
+    def cosign(self, current: CheckpointManifest, proposal: Endorsement) -> RoundReport | None:
+        """Recompute another coordinator's merge of `current` from its manifest; when both the weights and the merged
+        delta hash the same, keep the checkpoint and publish the same manifest signed by this node. A mismatch is
+        refused for good (logged, shown in `net status`). Returns the co-signature's report, or None."""
+        t0 = time.monotonic()
+        theirs = proposal.manifest
+        self.state = "merging"
+        offered = {(d.blob, d.author, d.skill) for d in self.dht.get_deltas(current.version)}
+        unknown = [r for r in theirs.included if (r.blob, r.author, r.skill) not in offered]
+        if theirs.parent_version != current.version or theirs.parent_hash != current.weights_hash or unknown:
+            self.refused.add(proposal.digest)
+            why = (f"merges {len(unknown)} delta(s) no worker offered for v{current.version}" if unknown
+                   else f"is not a child of v{current.version} held here")
+            self._wait(f"v{theirs.version} by {fingerprint(theirs.author)} {why}: not co-signed")
+            self.on_event("refused", {"version": theirs.version, "author": theirs.author})
+            return None
+        mine = self.identity.sign_record(msgspec.structs.replace(theirs, author="", created=0.0, signature=b""))
+        check = verify_checkpoint(self.spec, self.dht, self.store, self.blobs, theirs, progress=self.progress,
+                                  options=self.merge_options, commit_as=mine)
+        if not check.match:
+            self.refused.add(proposal.digest)
+            self._wait(f"v{theirs.version} by {fingerprint(theirs.author)} does not recompute here (weights "
+                       f"{check.weights_hash[:12]}, manifest says {theirs.weights_hash[:12]}): not co-signed")
+            self.on_event("refused", {"version": theirs.version, "author": theirs.author})
+            return None
+        if not self.store.has(mine.version):  # a round that kept its parent's weights: the same files
+            pull(self.dht, self.spec, mine, self.store, self.blobs, progress=self.progress)
+        self.publish(mine)
+        self.state = "idle"
+        self.on_event("cosigned", {"version": mine.version, "leader": theirs.author,
+                                   "signers": len(proposal.signers) + 1})
+        return RoundReport(mine, time.monotonic() - t0, 0)
+
+    def _claim(self, version: int) -> None:
+        """Before signing `version` as its leader: raise Superseded when another coordinator's manifest of it is out."""
+        if self.shared and self.proposals(version):
+            raise Superseded(f"another coordinator published v{version} first; checking its merge instead")
 
     def hold(self, leave: threading.Event | None = None) -> int:
         """Before leaving: keep serving the latest checkpoint until the network's `replicas` other peers hold a
@@ -214,7 +260,9 @@ class Coordinator:
             self.publish(genesis)
             current = genesis
         local = max(mine, key=lambda m: m.version, default=None)
-        if current is None or (local is not None and local.version > current.version):
+        # a version signed here but not yet by the quorum is no parent: the run loop waits for its other signatures
+        unaccepted = self.shared and self.spec.quorum_k() > 1
+        if current is None or (local is not None and local.version > current.version and not unaccepted):
             current = local
         assert current is not None
         pull(self.dht, self.spec, current, self.store, self.blobs, progress=self.progress)
@@ -243,7 +291,8 @@ class Coordinator:
         """Trusted manifests of recent versions up to `current` (what reputations and norm bounds read)."""
         depth = max(self.spec.trust.reputation_rounds, self.spec.screen.history_rounds)
         since = max(0, current.version - depth + 1)
-        found = {m.version: m for m in self.dht.get_checkpoints(trusted=self.spec.coordinators, since=since)}
+        found = {m.version: m for m in self.dht.get_checkpoints(trusted=self.spec.coordinators, since=since,
+                                                                        quorum=self.spec.quorum_k())}
         for v in self.store.versions():
             if since <= v <= current.version:
                 found.setdefault(v, self.store.manifest(v))
@@ -294,6 +343,7 @@ class Coordinator:
                 eval_seed=inputs.eval_seed,
                 metrics=metrics,
             ), self.identity)
+            self._claim(manifest.version)
             self.store.commit(manifest, out, verify=False)  # the merge computed the hashes it wrote
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -327,6 +377,7 @@ class Coordinator:
                 rejected=rejected[:128], omitted=max(0, len(rejected) - 128), eval_seed=eval_seed,
                 metrics=current.metrics,  # the same weights: the same figures
             ), self.identity)
+            self._claim(manifest.version)
             self.store.commit(manifest, out, verify=False)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -353,12 +404,38 @@ class Coordinator:
                     self.state = "idle"
                 newest = find_checkpoint(self.dht, self.spec)
                 if newest is not None and newest.version > current.version:  # another coordinator moved on
+                    if (lost := self.signed(newest.version)) is not None and body_digest(lost) != body_digest(newest):
+                        self.dht.forget(lost)  # the network accepted another manifest of that version
+                        log.warning("v%d: the network accepted another coordinator's manifest; dropping this node's",
+                                    newest.version)
                     pull(self.dht, self.spec, newest, self.store, self.blobs, progress=self.progress)
                     share(self.dht, self.store, self.blobs, newest)
                     current, round_start, backoff = newest, time.monotonic(), self.poll
                     self.current = current
                     tried, tried_by, earlier = set(), set(), []
                     self.first_seen.clear()
+                if self.shared:
+                    nxt, k = current.version + 1, self.spec.quorum_k()
+                    if (mine := self.signed(nxt)) is not None:  # signed: wait for the quorum's other signatures
+                        signers = next((len(e.signers) for e in self.dht.checkpoint_endorsements(
+                            nxt, trusted=self.spec.coordinators) if e.digest == body_digest(mine)), 1)
+                        self._wait(f"v{nxt}: signed by {signers} of the {k} coordinator(s) it needs")
+                        stop.wait(self.poll)
+                        continue
+                    if proposals := self.proposals(nxt):
+                        if (cosigned := self.cosign(current, proposals[0])) is not None:
+                            reports.append(cosigned)
+                        continue
+                    leader = self.leader(current, time.monotonic() - round_start)
+                    if leader != self.identity.public_key_hex:
+                        self._wait(f"round v{current.version}: led by {fingerprint(leader) if leader else 'nobody online'}; "
+                                   "this node checks its merge when it publishes")
+                        stop.wait(self.poll)
+                        continue
+                    if round_order(self.spec.coordinators, current.version)[0] != leader \
+                            and current.version not in self.took_over:
+                        self.took_over.add(current.version)
+                        self.on_event("failover", {"version": current.version})
                 online = self.online_workers()
                 fresh = [d for d in self.collect(current) if d.blob not in tried and d.author in online]
                 if len(fresh) != seen:
@@ -377,6 +454,9 @@ class Coordinator:
                     report = self.merge_round(current, fresh, online, earlier)
                 except RoundRejected as e:
                     rejected, eval_seed = e.rejected, e.eval_seed
+                except Superseded as e:
+                    log.info("%s", e)
+                    continue
                 except SkillswarmError:
                     raise
                 except Exception as e:  # noqa: BLE001 - no input may stop the loop (module docstring)
@@ -409,6 +489,8 @@ class Coordinator:
                 stop.wait(backoff)
                 continue
             reports.append(report)
+            if self.shared and self.spec.quorum_k() > 1:
+                continue  # signed, not yet accepted: the loop waits for the quorum, then moves on with the network
             current, round_start, seen, backoff = report.manifest, time.monotonic(), -1, self.poll
             self.current = current
             tried, tried_by, earlier = set(), set(), []
@@ -439,52 +521,3 @@ class Coordinator:
             log.info("%s", note)
             self.on_event("waiting", {"note": note})
         self.state, self.note = "waiting", note
-
-
-def merge_inputs(spec: NetworkSpec, dht, store: CheckpointStore, blobs: BlobStore, manifest: CheckpointManifest,
-                 *, progress: bool = False) -> tuple[Path, list[RoundDelta]]:
-    """What a published merge was made from: its parent checkpoint (pulled if not local) and its included deltas
-    (fetched, each with its weight and layers), for `merge.round_merge` to recompute it or re-merge it another way."""
-    if manifest.parent_version is None:
-        raise SkillswarmError(f"v{manifest.version} is the genesis checkpoint; it was not merged from anything")
-    if not store.has(manifest.parent_version):
-        parent = dht.get_checkpoint(manifest.parent_version, trusted=spec.coordinators)
-        if parent is None:
-            raise SkillswarmError(f"parent v{manifest.parent_version} is neither local nor on the network")
-        pull(dht, spec, parent, store, blobs, progress=progress)
-    deltas = included_deltas(manifest, lambda ref: dht.fetch(ref.blob, max_size=MAX_DELTA_BYTES, store=blobs,
-                                                             progress=progress))
-    return store.path(manifest.parent_version), deltas
-
-
-@dataclass(frozen=True)
-class Verification:
-    """A recomputed merge against its manifest: the checkpoint's weights hash and the merged delta's sha256."""
-
-    weights_hash: str
-    merged_delta: str | None  # None for the genesis checkpoint, which has no merged delta
-    match: bool
-
-
-def verify_checkpoint(spec: NetworkSpec, dht, store: CheckpointStore, blobs: BlobStore, manifest: CheckpointManifest,
-                      *, progress: bool = False, options: MergeOptions | None = None) -> Verification:
-    """Recompute a published merge from its parent and included deltas, here, with this machine's threads and
-    chunk size (`options`): both the checkpoint's weights hash and the merged delta workers apply must match. A
-    manifest of an older protocol verifies too (its deltas' layers are read from their figures)."""
-    if manifest.parent_version is None:
-        return Verification(spec.base_hash, None, manifest.weights_hash == spec.base_hash)
-    if not manifest.included:  # a round that rejected everything keeps its parent's weights
-        return Verification(manifest.weights_hash, None, manifest.weights_hash == manifest.parent_hash)
-    parent_dir, deltas = merge_inputs(spec, dht, store, blobs, manifest, progress=progress)
-    policy, seed = policy_from_manifest(manifest)
-    staging = store.staging()
-    try:
-        result = round_merge(parent_dir, deltas, policy, staging / "ckpt", seed=seed,
-                             delta_out=staging / "merged.safetensors", base_hash=manifest.parent_hash,
-                             progress=progress, **(options or MergeOptions()).kwargs())
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    assert result.delta is not None
-    want_delta = manifest.merged_delta.sha256 if manifest.merged_delta else None
-    ok = result.weights_hash == manifest.weights_hash and (want_delta is None or result.delta.sha256 == want_delta)
-    return Verification(result.weights_hash, result.delta.sha256, ok)

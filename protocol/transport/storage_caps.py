@@ -54,6 +54,7 @@ MAX_VALUES_PER_AUTHOR: dict[str, int] = {
     "delta": 32,  # one per skill and round; coordinators merge only the current round's, so the newest 32 do
     "checkpoint": 512,  # one per version a coordinator keeps alive, plus its `latest`: 511 versions of history
     "provider": 2048,  # a coordinator provides every file of every version it keeps, and the deltas it merged
+    "archived": 512,  # an archive node's copies: one per version, plus its `latest`
 }
 MAX_BYTES_PER_AUTHOR = 4 << 20  # all of an honest coordinator's values (manifests of a few KB, providers)
 MAX_SUBKEYS_PER_KEY = 1024  # the widest keys are the peers list and a round's deltas: 1024 nodes each

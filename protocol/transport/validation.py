@@ -32,7 +32,7 @@ from skillswarm.protocol.errors import RecordError
 from skillswarm.protocol.identity import Identity, peer_id_from_public_key, verify_raw, verify_record
 from skillswarm.protocol.keys import locations, subkey_owner
 from skillswarm.protocol.records import (
-    CheckpointManifest, DeltaManifest, NetworkSpec, PeerRecord, ProviderRecord, Record, SkillStats, kind_of,
+    ArchivedCheckpoint, CheckpointManifest, DeltaManifest, NetworkSpec, PeerRecord, ProviderRecord, Record, SkillStats, kind_of,
 )
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ MAX_TTL: dict[str, float] = {
     "provider": 3600.0,  # re-announced every ttl/3; nodes use 120-600 s
     "delta": 86400.0,  # workers keep deltas 24 h (node/roles/worker.py DELTA_TTL)
     "checkpoint": 86400.0,  # coordinators keep manifests 24 h, re-stored every 8 h (node/roles/coordinator.py)
+    "archived": 86400.0,  # archive nodes keep their copies as long, re-stored more often (node/roles/archive.py)
 }
 # A peer without a network file cannot tell a trusted coordinator from anyone else, so the checkpoint
 # manifests it keeps live at most this long (an untrusted manifest cannot squat in the DHT for a day).
@@ -85,9 +86,9 @@ class StorePolicy:
 
     An allowlist network (`trust.admission == "allowlist"`) admits records from its members only:
     - deltas and skill stats by its allowlisted workers (`trust.workers`);
-    - peer records (heartbeats) and provider records by its workers and its coordinators, and peer records of
-      the bootstrap peers its file names (the `/p2p/<peer id>` of each `bootstrap` address: `net serve
-      --network` heartbeats under that key).
+    - peer records (heartbeats) and provider records by its workers and its coordinators, and by the bootstrap
+      peers its file names (the `/p2p/<peer id>` of each `bootstrap` address: `net serve --network` heartbeats
+      under that key, and an archive node, `net serve --archive`, serves checkpoints under it).
     Anyone else's heartbeat or provider record is refused, so nobody outside the network can fill its keys: its
     honest members stay visible under any flood from outside. The price: a node outside the list (an observer,
     a `pull` with a throwaway key) can still read and download, but cannot announce itself or serve what it
@@ -120,11 +121,27 @@ class StorePolicy:
                 raise ValueError(f"{kind} record by {record.author[:16]}, a key the network's allowlist lacks")
         if isinstance(record, CheckpointManifest) and record.author not in self.coordinators:
             raise ValueError(f"checkpoint manifest by {record.author[:16]}, not one of the network's coordinators")
+        if isinstance(record, ArchivedCheckpoint):
+            for m in archived_manifests(record):
+                self.check(m)
         if isinstance(record, (PeerRecord, ProviderRecord)) and self.workers is not None \
                 and record.author not in self.workers and record.author not in self.coordinators \
-                and not (isinstance(record, PeerRecord) and record.peer_id in self.bootstrap_peers):
+                and record.peer_id not in self.bootstrap_peers:
             raise ValueError(f"{kind} record by {record.author[:16]}, neither a worker the network's allowlist names "
                              "nor one of its coordinators or bootstrap peers")
+
+
+def archived_manifests(record: ArchivedCheckpoint, trusted: frozenset[str] | set[str] | None = None) -> list[CheckpointManifest]:
+    """The checkpoint manifests an archive's copy holds, each decoded and its own signature verified (by a `trusted`
+    key, when given); RecordError (a SignatureError) if any is malformed, forged, or of another version or network."""
+    out = []
+    for data in record.manifests:
+        m = decode_record(data, CheckpointManifest)
+        verify_record(m, network=record.network, trusted=trusted)
+        if m.version != record.version:
+            raise RecordError(f"an archived copy of v{record.version} holds a manifest of v{m.version}")
+        out.append(m)
+    return out
 
 
 class OwnerSignatureValidator(RecordValidatorBase):
@@ -191,9 +208,11 @@ class OwnerSignatureValidator(RecordValidatorBase):
         if record.expiration_time - rec.created > MAX_TTL[kind] + CLOCK_SKEW:
             raise ValueError(f"{kind} record would live {record.expiration_time - rec.created:.0f} s past its creation, "
                              f"over the {MAX_TTL[kind]:g} s a {kind} may live")
+        if isinstance(rec, ArchivedCheckpoint):
+            archived_manifests(rec)  # each inner manifest well-formed, signed, and of this version
         if self._policy is not None:
             self._policy.check(rec)
-        elif isinstance(rec, CheckpointManifest) and record.expiration_time > now + UNTRUSTED_CHECKPOINT_TTL + CLOCK_SKEW:
+        elif isinstance(rec, (CheckpointManifest, ArchivedCheckpoint)) and record.expiration_time > now + UNTRUSTED_CHECKPOINT_TTL + CLOCK_SKEW:
             raise ValueError(f"checkpoint manifest expires later than the {UNTRUSTED_CHECKPOINT_TTL:g} s an untrusted "
                              "one may live (this peer has no network file to tell a coordinator by)")
         return rec
