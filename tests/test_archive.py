@@ -1,7 +1,8 @@
 """An archive node (`net serve --archive DIR`) keeps a network's history pullable: the coordinator publishes v1 and
-leaves once the archive holds a copy; then every peer stops (bootstrap, worker, coordinator, the archive itself),
-the bootstrap and the archive come back, and a fresh node pulls every version, served and found through the
-archive alone. Its quota drops the oldest versions' files, never the newest."""
+leaves once the archive holds a copy; the bootstrap restarts empty while the archive runs, and a fresh node pulls
+v1 through it; then every peer stops, the archive included, the bootstrap and the archive come back, and a fresh
+node pulls v0, served and found through the archive alone. Its quota drops the oldest versions' files, never the
+newest."""
 
 from __future__ import annotations
 
@@ -59,6 +60,16 @@ def _stop(p: subprocess.Popen) -> str:
     return p.stdout.read()
 
 
+def _pull_through(spec_file: Path, maddr: str, version: int, tmp_path: Path, weights: str) -> None:
+    """A fresh node (its own home) pulls `version` through `maddr` (retried while the records come back)."""
+    out_dir = tmp_path / f"pulled-v{version}"
+    wait_for(lambda: run_cli("pull", "--network", str(spec_file), "--peers", maddr, "--version", str(version), "--out",
+                             str(out_dir), "--json", check=False, timeout=180,
+                             env={"SKILLSWARM_HOME": str(tmp_path / f"h-fresh-{version}")}).returncode == 0,
+             120, f"v{version} pulled through the restarted bootstrap", poll=2.0)
+    assert weights_hash(out_dir) == weights
+
+
 def test_a_fresh_node_pulls_every_version_from_an_archive_after_every_peer_restarted(nano_model: Path,
                                                                                        tmp_path: Path) -> None:
     key, spec_file, archive_dir = tmp_path / "coord.key", tmp_path / "net.toml", tmp_path / "archive"
@@ -92,23 +103,21 @@ def test_a_fresh_node_pulls_every_version_from_an_archive_after_every_peer_resta
                                                                                                 "v1.msgpack"],
                  60, "both versions archived")
 
-        # every peer goes away; the bootstrap comes back empty, then the archive from its disk
-        for p in (archive, boot):
-            _stop(p)
+        # the bootstrap restarts empty while the archive runs: the archive dials it again and gives it the records
+        _stop(boot)
         boot, again = _serve(spec_file, tmp_path / "h-boot", *boot_args)
         procs.append(boot)
         assert again == maddr
+        _pull_through(spec_file, maddr, 1, tmp_path, manifests[1].weights_hash)
+        # then every peer but the archive is gone, and the archive itself restarts from its disk, under another key
+        for p in (archive, boot):
+            _stop(p)
+        boot, _ = _serve(spec_file, tmp_path / "h-boot", *boot_args)
+        procs.append(boot)
         archive, _ = _serve(spec_file, tmp_path / "h-arch", "--peers", maddr, "--archive", str(archive_dir),
-                            "--refresh", "3", "--key", str(tmp_path / "arch.key"))
+                            "--refresh", "3", "--key", str(tmp_path / "arch2.key"))
         procs.append(archive)
-
-        for v in (0, 1):
-            out_dir = tmp_path / f"pulled-v{v}"
-            pulled = wait_for(lambda: run_cli("pull", "--network", str(spec_file), "--peers", maddr, "--version", str(v),
-                                              "--out", str(out_dir), "--json", check=False, timeout=180,
-                                              env={"SKILLSWARM_HOME": str(tmp_path / f"h-fresh-{v}")}).returncode == 0,
-                              120, f"v{v} pulled from the archive", poll=2.0)
-            assert pulled and weights_hash(out_dir) == manifests[v].weights_hash
+        _pull_through(spec_file, maddr, 0, tmp_path, manifests[0].weights_hash)
         latest = run_cli("pull", "--network", str(spec_file), "--peers", maddr, "--out", str(tmp_path / "latest"),
                          "--json", timeout=180, env={"SKILLSWARM_HOME": str(tmp_path / "h-fresh-latest")})
         assert json.loads(latest.stdout)["version"] == 1

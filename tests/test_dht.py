@@ -202,3 +202,35 @@ def test_unreachable_peers_fail_with_a_clear_message() -> None:
         SwarmDHT(NET, Identity.generate(), initial_peers=["/ip4/127.0.0.1/tcp/9"])
     with pytest.raises(NetworkError, match="not an IP address"):
         SwarmDHT(NET, Identity.generate(), host="localhost")
+
+
+def test_a_restarted_bootstrap_is_dialled_again_and_given_the_records(tmp_path) -> None:  # noqa: ANN001
+    """A bootstrap comes back at its address knowing nobody: the peers that joined through it dial it again
+    (`REJOIN_S`) and re-store their kept records there at once, so a node joining through it finds them."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    boot_key, member = Identity.generate(), Identity.generate()
+    boot = SwarmDHT(NET, boot_key, port=port).start()
+    a = SwarmDHT(NET, member, initial_peers=boot.visible_maddrs())
+    fresh = None
+    try:
+        a.start()
+        assert a.put(_checkpoint(5), ttl=3600, keep=True)  # kept: re-stored every 20 minutes
+        boot.shutdown()
+        boot = SwarmDHT(NET, boot_key, port=port).start()
+        deadline = time.monotonic() + 60
+        while a.rejoins == 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert a.rejoins >= 1
+        fresh = SwarmDHT(NET, Identity.generate(), initial_peers=boot.visible_maddrs()).start()
+        deadline = time.monotonic() + 30
+        while fresh.get_checkpoint(5, trusted=[member.public_key_hex]) is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert fresh.get_checkpoint(5, trusted=[member.public_key_hex]) is not None
+    finally:
+        for d in (fresh, a, boot):
+            if d is not None:
+                d.shutdown()

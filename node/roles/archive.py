@@ -18,6 +18,8 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
+
 from skillswarm.node.checkpoints.pull import pull, share
 from skillswarm.node.checkpoints.store import CheckpointStore
 from skillswarm.protocol.atomic import atomic_write_bytes
@@ -69,6 +71,14 @@ class Archive:
             log.warning("archived record of v%d is unreadable (%s); it will be fetched again", version, e)
             return None
 
+    def _own(self, rec: ArchivedCheckpoint) -> ArchivedCheckpoint:
+        """`rec` signed by this node (a directory archived under another key is carried on under this one)."""
+        if rec.author == self.identity.public_key_hex:
+            return rec
+        mine = self.identity.sign_record(msgspec.structs.replace(rec, author="", created=0.0, signature=b""))
+        atomic_write_bytes(self.records_dir / f"v{rec.version}.msgpack", encode_record(mine))
+        return mine
+
     def held_bytes(self) -> int:
         """Bytes of blobs pinned here."""
         return self.blobs.usage()
@@ -76,18 +86,26 @@ class Archive:
     # ---- the loop ----------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
         """Re-store what is on disk, then pin each new accepted version and keep the records alive, until `stop`."""
-        self.restore()
+        restored, rejoins = False, self.dht.rejoins
         while not stop.is_set():
             try:
+                if not restored:
+                    self.restore()
+                    restored = True
                 self.collect()
                 peers = set(self.dht.connected_peers())
-                if peers - self._peers or time.monotonic() - self._last_refresh >= self.refresh_s:
+                if peers - self._peers or self.dht.rejoins != rejoins \
+                        or time.monotonic() - self._last_refresh >= self.refresh_s:
+                    rejoins = self.dht.rejoins
                     self.refresh()
                 self._peers = peers
                 self.state = "idle"
             except SkillswarmError as e:
                 self.state, self.note = "waiting", f"archiving failed: {e}"[:200]
                 log.warning("%s", self.note)
+            except Exception as e:  # noqa: BLE001 - a bug or a hostile input must not end the archive: retried
+                self.state, self.note = "waiting", f"archiving failed: {type(e).__name__}: {e}"[:200]
+                log.exception("archiving failed")
             stop.wait(self.poll)
 
     def restore(self) -> None:
@@ -103,7 +121,7 @@ class Archive:
         """Store every archived record again, oldest first, so the newest is the one left under the latest key."""
         for v in self.versions():
             if (rec := self.record(v)) is not None:
-                self.dht.put(rec, ARCHIVE_TTL)
+                self.dht.put(self._own(rec), ARCHIVE_TTL)
         self._last_refresh = time.monotonic()
         self._gone.clear()
 

@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=Record)
 
 CALL_TIMEOUT = 60.0
+REJOIN_S = 10.0  # how often a peer checks that it is still connected to the peers it joined through
 LATEST_LOOKBACK = 8  # versions below the newest signed one a reader looks at for one its quorum accepted
 
 
@@ -112,6 +113,9 @@ class SwarmDHT:
         self._republisher: Republisher | None = None
         self._store: BlobStore | None = None
         self._peer_id: str | None = None
+        self.rejoins = 0  # times this peer reached one of its initial peers again after losing it (a restart)
+        self._rejoiner: threading.Thread | None = None
+        self._stopping = threading.Event()
 
     # ---- lifetime -----------------------------------------------------------------------------------
     def start(self) -> SwarmDHT:
@@ -143,7 +147,31 @@ class SwarmDHT:
             self.shutdown()
             raise NetworkError(f"p2pd runs as {self.peer_id}, not as this node's key {self.identity.peer_id}")
         logger.debug("DHT peer %s up for network %s", self.peer_id, self.network)
+        if self.initial_peers:
+            self._stopping.clear()
+            self._rejoiner = threading.Thread(target=self._keep_joined, name="skillswarm-rejoin", daemon=True)
+            self._rejoiner.start()
         return self
+
+    def _keep_joined(self) -> None:
+        """Every REJOIN_S, dial again the initial peers this one lost (`dht_process.rejoin`): when a bootstrap
+        restarts, the peers that joined through it reconnect, so it learns the network again and new nodes that join
+        through it find everyone (and what they store)."""
+        from skillswarm.protocol.transport.dht_process import rejoin
+
+        while not self._stopping.wait(REJOIN_S):
+            try:
+                back = self.run_coroutine(rejoin, peers=list(self.initial_peers))
+            except NetworkError:
+                continue
+            except Exception:  # noqa: BLE001 - a failed check is tried again at the next one
+                logger.debug("rejoining the initial peers failed", exc_info=True)
+                continue
+            if back:
+                self.rejoins += 1
+                if self._republisher is not None:  # it came back empty: give it this node's records now
+                    self._republisher.refresh()
+                logger.info("reconnected to %s (restarted?)", ", ".join(b[:16] for b in back))
 
     def _explain_start_failure(self, e: BaseException) -> str:
         text = f"{type(e).__name__}: {e}"
@@ -158,6 +186,10 @@ class SwarmDHT:
 
     def shutdown(self) -> None:
         """Stop heartbeats, leave the network, and end the DHT process and p2pd (idempotent)."""
+        self._stopping.set()
+        if self._rejoiner is not None:
+            self._rejoiner.join(CALL_TIMEOUT)
+            self._rejoiner = None
         if self._republisher is not None:
             self._republisher.stop()
             self._republisher = None

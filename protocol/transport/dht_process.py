@@ -198,6 +198,29 @@ async def connected_peers(_dht: hivemind.DHT, node: hivemind.DHTNode) -> list[st
     return [info.peer_id.to_base58() for info in await node.p2p.list_peers()]
 
 
+async def rejoin(_dht: hivemind.DHT, node: hivemind.DHTNode, peers: list[str], timeout: float = 5.0) -> list[str]:
+    """Dial each of `peers` (multiaddrs ending in /p2p/<id>) that p2pd holds no connection to, and ping it into the
+    routing table (each side adds the other): a bootstrap restarted at its address comes back knowing nobody, and
+    no peer would dial it again by itself. Returns the peer ids reached again."""
+    import asyncio
+
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    connected = {info.peer_id.to_base58() for info in await node.p2p.list_peers()}
+    back = []
+    for maddr in peers:
+        pid = maddr.rsplit("/p2p/", 1)[-1]
+        if pid in connected:
+            continue
+        with contextlib.suppress(Exception):
+            peer = PeerID.from_base58(pid)
+            await asyncio.wait_for(node.p2p._client.connect(peer, [Multiaddr(maddr.rsplit("/p2p/", 1)[0])]), timeout)
+            if await asyncio.wait_for(node.protocol.call_ping(peer), timeout) is not None:
+                back.append(pid)
+    return back
+
+
 async def routing_table_size(_dht: hivemind.DHT, node: hivemind.DHTNode) -> int:
     """How many DHT peers this node knows of."""
     return len(node.protocol.routing_table.uid_to_peer_id)

@@ -39,6 +39,13 @@ class Republisher(threading.Thread):
             self._items[name] = (produce, interval, ttl, time.monotonic() + interval)
         self._wake.set()
 
+    def refresh(self) -> None:
+        """Re-store every item now (a peer that held them came back empty), then on their usual intervals."""
+        with self._lock:
+            now = time.monotonic()
+            self._items = {n: (produce, interval, ttl, now) for n, (produce, interval, ttl, _) in self._items.items()}
+        self._wake.set()
+
     def drop(self, name: tuple) -> None:
         """Stop re-storing item `name` (what was stored expires on its own)."""
         with self._lock:
