@@ -73,6 +73,13 @@ def _flood(f: dict[str, Any]) -> str:
     return text
 
 
+def _continuity(f: dict[str, Any]) -> str:
+    pullable = f["versions_pullable_at_end"]["count"]
+    return (f"{f['rounds_completed']} rounds through a killed leader (failover in {f['failover_s']:.0f} s), a restarted "
+            f"bootstrap and a leaving coordinator; {pullable} of {f['versions_total']} versions pulled from the archive "
+            f"alone at the end; {f['forks_accepted']} forks")
+
+
 def _sandbox(f: dict[str, Any]) -> str:
     return (f"{f['sandbox_ms_p50']:.1f} ms (p50) against {f['bare_ms_p50']:.1f} ms for a bare subprocess "
             f"(ratio {f['ratio']:.2f}), {f['calls_per_s']:.0f} calls/s")
@@ -92,6 +99,8 @@ HEADLINES: dict[str, Headline] = {
     "poison": Headline("the poisoning drill", _poison, "docs/security-drills.md"),
     "poison-reputed": Headline("the poisoning drill, from keys with a record", _poison, "docs/security-drills.md"),
     "flood": Headline("a round under a record flood", _flood, "docs/security-drills.md"),
+    "continuity": Headline("the continuity drill: 3 coordinators, quorum 2, an archive", _continuity,
+                           "docs/continuity.md"),
     "rl_async": Headline("async against `--sync` training", _rl_async, "docs/learning-on-a-shard.md"),
     "transfer": Headline("transfer", _transfer, "docs/compression-and-transfer.md"),
     "sandbox": Headline("a sandboxed `python` run", _sandbox, "docs/sandbox.md"),
