@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -143,3 +144,17 @@ def offer_delta(dht: SwarmDHT, blobs: BlobStore, network: str, base_hash: str, m
                                  size=delta.size, codec="dense_fp32", norm=delta.norm,
                                  num_tensors=delta.num_tensors), 600, keep=True)
     return sha
+
+
+def start_coordinator(spec_file: Path, maddr: str, key: Path, home: Path, failpoint: str | None = None,
+                      *extra: str) -> subprocess.Popen:
+    """A `coordinator run` process on 127.0.0.1 with its own home (`failpoint`: the crash point it is armed with)."""
+    from tests.conftest import ROOT, SKILLSWARM
+
+    env = {**os.environ, "SKILLSWARM_HOME": str(home), "COLUMNS": "200"}
+    env.pop("SKILLSWARM_FAILPOINT", None)
+    if failpoint:
+        env["SKILLSWARM_FAILPOINT"] = failpoint
+    return subprocess.Popen([str(SKILLSWARM), "coordinator", "run", "--network", str(spec_file), "--peers", maddr,
+                             "--host", "127.0.0.1", "--key", str(key), "--eval-n", "4", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)

@@ -3,8 +3,6 @@ and without publishing a version twice; a restarted worker re-announces its delt
 
 from __future__ import annotations
 
-import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -16,20 +14,10 @@ from skillswarm.protocol.transport.dht import SwarmDHT
 from skillswarm.protocol.identity import Identity
 from skillswarm.protocol.netspec import load_spec
 from skillswarm.protocol.transport.validation import StorePolicy
-from tests.conftest import ROOT, SKILLSWARM, run_cli
-from tests.net_helpers import offer_delta, wait_for
+from tests.conftest import run_cli
+from tests.net_helpers import offer_delta, start_coordinator, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
-
-
-def _coordinator(spec_file: Path, maddr: str, key: Path, home: Path, failpoint: str | None) -> subprocess.Popen:
-    env = {**os.environ, "SKILLSWARM_HOME": str(home), "COLUMNS": "200"}
-    env.pop("SKILLSWARM_FAILPOINT", None)
-    if failpoint:
-        env["SKILLSWARM_FAILPOINT"] = failpoint
-    return subprocess.Popen([str(SKILLSWARM), "coordinator", "run", "--network", str(spec_file), "--peers", maddr,
-                             "--host", "127.0.0.1", "--key", str(key), "--eval-n", "4"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
 
 
 def test_killed_coordinator_restarts_cleanly(nano_model: Path, tmp_path: Path) -> None:
@@ -54,18 +42,18 @@ def test_killed_coordinator_restarts_cleanly(nano_model: Path, tmp_path: Path) -
             return dht.get_checkpoint(version, trusted=spec.coordinators)
 
         # 1. Killed after the merge, before committing: debris only in staging, nothing published.
-        p = _coordinator(spec_file, maddr, key, home, "coordinator.after_merge")
+        p = start_coordinator(spec_file, maddr, key, home, "coordinator.after_merge")
         assert p.wait(240) == -9, p.stdout.read()
         assert list(store.dir.glob(".staging-*")) and not store.has(1) and published(1) is None
 
         # 2. Killed after committing v1, before publishing it.
-        p = _coordinator(spec_file, maddr, key, home, "coordinator.after_commit")
+        p = start_coordinator(spec_file, maddr, key, home, "coordinator.after_commit")
         assert p.wait(240) == -9, p.stdout.read()
         assert store.has(1) and not list(store.dir.glob(".staging-*")) and published(1) is None
         committed = store.manifest(1)
 
         # 3. A clean restart publishes the committed v1 as it was signed, and merges nothing again.
-        p = _coordinator(spec_file, maddr, key, home, None)
+        p = start_coordinator(spec_file, maddr, key, home, None)
         try:
             seen = wait_for(lambda: published(1), 120, "v1 on the network", poll=0.5)
             time.sleep(3)  # give it time to (wrongly) merge the same deltas again

@@ -6,7 +6,6 @@ recomputes its merge and co-signs, and the version is accepted with their two si
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -19,23 +18,13 @@ from skillswarm.protocol.netspec import load_spec
 from skillswarm.protocol.transport.blobs import BlobStore
 from skillswarm.protocol.transport.dht import SwarmDHT
 from skillswarm.protocol.transport.validation import StorePolicy
-from tests.conftest import ROOT, SKILLSWARM, run_cli
-from tests.net_helpers import offer_delta, wait_for
+from tests.conftest import run_cli
+from tests.net_helpers import offer_delta, start_coordinator, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def _coordinator(spec_file: Path, maddr: str, key: Path, home: Path, failpoint: str | None = None) -> subprocess.Popen:
-    env = {**os.environ, "SKILLSWARM_HOME": str(home), "COLUMNS": "200"}
-    env.pop("SKILLSWARM_FAILPOINT", None)
-    if failpoint:
-        env["SKILLSWARM_FAILPOINT"] = failpoint
-    return subprocess.Popen([str(SKILLSWARM), "coordinator", "run", "--network", str(spec_file), "--peers", maddr,
-                             "--host", "127.0.0.1", "--key", str(key), "--eval-n", "4"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
-
-
-def test_a_killed_leaders_round_is_finished_by_another_coordinator(nano_model: Path, tmp_path: Path) -> None:
+def test_a_killed_leaders_round_is_finished_by_anotherstart_coordinator(nano_model: Path, tmp_path: Path) -> None:
     keys = [tmp_path / f"c{i}.key" for i in range(3)]
     ids = [Identity.load_or_create(k) for k in keys]
     spec_file = tmp_path / "net.toml"
@@ -57,9 +46,9 @@ def test_a_killed_leaders_round_is_finished_by_another_coordinator(nano_model: P
         dht.start_heartbeat(lambda: dht.make_peer_record(role="worker", skills=["arith"]))
         sha = offer_delta(dht, blobs, "trio", spec.base_hash, nano_model, tmp_path)
         try:
-            procs[leader] = _coordinator(spec_file, maddr, by_key[leader], tmp_path / "h-lead", "coordinator.before_merge")
+            procs[leader] = start_coordinator(spec_file, maddr, by_key[leader], tmp_path / "h-lead", "coordinator.before_merge")
             for c in (second, third):
-                procs[c] = _coordinator(spec_file, maddr, by_key[c], tmp_path / f"h-{c[:8]}")
+                procs[c] = start_coordinator(spec_file, maddr, by_key[c], tmp_path / f"h-{c[:8]}")
             # every coordinator signs the same genesis: v0 is accepted with the quorum
             wait_for(lambda: dht.get_checkpoint(0, trusted=spec.coordinators, quorum=2), 180, "v0 signed by two")
             assert procs[leader].wait(240) == -9, "the leader was not killed mid-round:\n" + procs[leader].stdout.read()
