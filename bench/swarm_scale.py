@@ -240,7 +240,8 @@ def worker_main(conn: Connection, root: str, run_dir: str, index: int, coord_mad
         sha = blobs.add_file(info.path, move=True)
         dht.provide(sha, store=blobs)
         dht.put(DeltaManifest(network=NET, skill=skill, base_version=0, base_hash=spec.base_hash, blob=sha,
-                              size=info.size, codec=spec.codec, norm=info.norm, num_tensors=info.num_tensors),
+                              size=info.size, codec=spec.codec, norm=info.norm, num_tensors=info.num_tensors,
+                              tree=blobs.tree(sha)),
                 ttl=3600, keep=True)
         conn.send(("published", {"dht_pid": dht.pid, "delta_bytes": info.size}))
         v1 = wait_for_checkpoint(dht, spec, newer_than=0, timeout=STEP_TIMEOUT_S, poll=1.0)

@@ -394,8 +394,14 @@ class PeerRecord(Record, tag="peer", kw_only=True):
         _unique("skills", self.skills)
 
 
+# The protocol whose delta manifests name their blob's tree hash; an older one is refused (its worker must upgrade).
+TREES_SINCE_PROTOCOL = 3
+
+
 class DeltaManifest(Record, tag="delta", kw_only=True):
-    """A worker's published delta (trained - base) for one skill, addressed by its blob's sha256."""
+    """A worker's published delta (trained - base) for one skill, addressed by its blob's sha256. `tree`, the tree
+    hash of its pieces (`transport.pieces`), lets a fetcher take it from every holder at once (its worker, the
+    coordinators that merged it, an archive), each piece verified."""
 
     skill: Name
     base_version: Version
@@ -407,6 +413,13 @@ class DeltaManifest(Record, tag="delta", kw_only=True):
     norm: Annotated[float, Meta(ge=0.0, le=1e12)]
     num_tensors: Annotated[int, Meta(ge=1, le=1_000_000)]
     stats: TrainStats = TrainStats()
+    tree: Sha256 | UnsetType = UNSET
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.protocol < TREES_SINCE_PROTOCOL:
+            raise ValueError(f"a delta manifest of protocol {self.protocol} names no piece tree; its worker runs an "
+                             f"older skillswarm and must upgrade (protocol {TREES_SINCE_PROTOCOL} or later)")
 
 
 class CheckpointManifest(Record, tag="checkpoint", kw_only=True):

@@ -3,8 +3,9 @@
 from importlib.metadata import PackageNotFoundError, version
 
 # Bumped whenever a record's schema or a DHT key layout changes incompatibly. 2: a checkpoint manifest's delta entry
-# says the decoder layers it was merged in as its own field, `layers` (protocol 1 carried it as a figure).
-PROTOCOL_VERSION = 2
+# says the decoder layers it was merged in as its own field, `layers` (protocol 1 carried it as a figure). 3: a delta
+# manifest names its blob's tree hash (`tree`), so whoever holds the delta serves it piece by piece.
+PROTOCOL_VERSION = 3
 
 try:
     __version__ = version("skillswarm")

@@ -142,7 +142,7 @@ def offer_delta(dht: SwarmDHT, blobs: BlobStore, network: str, base_hash: str, m
     dht.provide(sha, store=blobs)
     assert dht.put(DeltaManifest(network=network, skill="arith", base_version=0, base_hash=base_hash, blob=sha,
                                  size=delta.size, codec="dense_fp32", norm=delta.norm,
-                                 num_tensors=delta.num_tensors), 600, keep=True)
+                                 num_tensors=delta.num_tensors, tree=blobs.tree(sha)), 600, keep=True)
     return sha
 
 

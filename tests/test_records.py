@@ -136,6 +136,17 @@ def test_newer_protocol_is_refused_with_a_clear_message() -> None:
         decode_record(raw.encode(d))
 
 
+def test_a_delta_manifest_of_an_older_protocol_is_refused_with_a_clear_message() -> None:
+    base = dict(network="net", skill="arith", base_version=0, base_hash="a" * 64, blob="b" * 64, size=10,
+                codec="dense_bf16", norm=1.0, num_tensors=3)
+    with_tree = DeltaManifest(**base, tree="c" * 64)
+    assert decode_record(encode_record(with_tree)).tree == "c" * 64
+    d = _plain(DeltaManifest(**base))  # a protocol 2 worker's record: no tree
+    d["protocol"] = 2
+    with pytest.raises(RecordError, match="protocol 2 names no piece tree; its worker runs an older skillswarm"):
+        decode_record(raw.encode(d))
+
+
 def test_oversized_payloads_are_rejected_before_decoding() -> None:
     d = _plain(_valid_peer())
     d["software"] = "x" * 9000

@@ -229,3 +229,28 @@ def test_a_busy_provider_is_asked_again_not_blamed(swarm: dict[str, BlobPeer]) -
         a.dht.serve_blobs(a.store)
     for peer in (fetcher, b):
         assert not reports[peer.id].rejected and sha256_file(peer.store.path(sha)) == sha
+
+
+def test_a_delta_comes_from_its_other_holders_once_its_author_is_gone(tmp_path: Path) -> None:
+    """A delta manifest names its blob's tree hash: a coordinator that merged it (or an archive) serves it, and a
+    fetcher takes it piece by piece from them after its worker has left."""
+    from skillswarm.protocol.identity import Identity
+    from skillswarm.protocol.records import DeltaManifest
+
+    with blob_swarm("held", tmp_path, "boot", "author", "holder", "fetcher") as peers:
+        author, holder, fetcher = peers["author"], peers["holder"], peers["fetcher"]
+        blob = tmp_path / "delta.bin"
+        blob.write_bytes(os.urandom(2 * PIECE_SIZE + 4321))
+        sha = author.store.add_file(blob)
+        author.dht.provide(sha, store=author.store)
+        manifest = Identity.generate().sign_record(DeltaManifest(
+            network="held", skill="arith", base_version=0, base_hash="a" * 64, blob=sha, size=blob.stat().st_size,
+            codec="int8", norm=1.0, num_tensors=1, tree=author.store.tree(sha)))
+        holder.dht.fetch(sha, size=manifest.size, max_size=manifest.size, store=holder.store, progress=False,
+                         tree=manifest.tree)
+        holder.dht.provide(sha, store=holder.store)
+        author.dht.shutdown()  # the worker leaves
+        report = fetcher.dht.fetch_report(sha, size=manifest.size, max_size=manifest.size, store=fetcher.store,
+                                          progress=False, tree=manifest.tree)
+        assert sha256_file(Path(report.path)) == sha
+        assert {s for s, _, _ in report.segments} == {holder.id}  # every piece from the holder

@@ -186,7 +186,9 @@ class Coordinator:
         t0 = time.monotonic()
         theirs = proposal.manifest
         self.state = "merging"
-        offered = {(d.blob, d.author, d.skill) for d in self.dht.get_deltas(current.version)}
+        found = self.dht.get_deltas(current.version)
+        offered = {(d.blob, d.author, d.skill) for d in found}
+        trees = {d.blob: d.tree for d in found if d.tree is not msgspec.UNSET}
         unknown = [r for r in theirs.included if (r.blob, r.author, r.skill) not in offered]
         if theirs.parent_version != current.version or theirs.parent_hash != current.weights_hash or unknown:
             self.refused.add(proposal.digest)
@@ -197,7 +199,7 @@ class Coordinator:
             return None
         mine = self.identity.sign_record(msgspec.structs.replace(theirs, author="", created=0.0, signature=b""))
         check = verify_checkpoint(self.spec, self.dht, self.store, self.blobs, theirs, progress=self.progress,
-                                  options=self.merge_options, commit_as=mine)
+                                  options=self.merge_options, commit_as=mine, trees=trees)
         if not check.match:
             self.refused.add(proposal.digest)
             self._wait(f"v{theirs.version} by {fingerprint(theirs.author)} does not recompute here (weights "

@@ -49,9 +49,10 @@ def policy_from_manifest(m: CheckpointManifest) -> tuple[MergePolicy, int]:
 
 
 def merge_inputs(spec: NetworkSpec, dht, store: CheckpointStore, blobs: BlobStore, manifest: CheckpointManifest,
-                 *, progress: bool = False) -> tuple[Path, list[RoundDelta]]:
+                 *, progress: bool = False, trees: dict[str, str] | None = None) -> tuple[Path, list[RoundDelta]]:
     """What a published merge was made from: its parent checkpoint (pulled if not local) and its included deltas
-    (fetched, each with its weight and layers), for `merge.round_merge` to recompute it or re-merge it another way."""
+    (fetched, each with its weight and layers; from every holder at once where `trees` has its blob's tree hash), for
+    `merge.round_merge` to recompute it or re-merge it another way."""
     if manifest.parent_version is None:
         raise SkillswarmError(f"v{manifest.version} is the genesis checkpoint; it was not merged from anything")
     if not store.has(manifest.parent_version):
@@ -59,8 +60,9 @@ def merge_inputs(spec: NetworkSpec, dht, store: CheckpointStore, blobs: BlobStor
         if parent is None:
             raise SkillswarmError(f"parent v{manifest.parent_version} is neither local nor on the network")
         pull(dht, spec, parent, store, blobs, progress=progress)
+    trees = trees or {}
     deltas = included_deltas(manifest, lambda ref: dht.fetch(ref.blob, max_size=MAX_DELTA_BYTES, store=blobs,
-                                                             progress=progress))
+                                                             progress=progress, tree=trees.get(ref.blob)))
     return store.path(manifest.parent_version), deltas
 
 
@@ -75,7 +77,7 @@ class Verification:
 
 def verify_checkpoint(spec: NetworkSpec, dht, store: CheckpointStore, blobs: BlobStore, manifest: CheckpointManifest,
                       *, progress: bool = False, options: MergeOptions | None = None,
-                      commit_as: CheckpointManifest | None = None) -> Verification:
+                      commit_as: CheckpointManifest | None = None, trees: dict[str, str] | None = None) -> Verification:
     """Recompute a published merge from its parent and included deltas, here, with this machine's threads and
     chunk size (`options`): both the checkpoint's weights hash and the merged delta workers apply must match. A
     manifest of an older protocol verifies too (its deltas' layers are read from their figures). With `commit_as` (the
@@ -85,7 +87,7 @@ def verify_checkpoint(spec: NetworkSpec, dht, store: CheckpointStore, blobs: Blo
         return Verification(spec.base_hash, None, manifest.weights_hash == spec.base_hash)
     if not manifest.included:  # a round that rejected everything keeps its parent's weights
         return Verification(manifest.weights_hash, None, manifest.weights_hash == manifest.parent_hash)
-    parent_dir, deltas = merge_inputs(spec, dht, store, blobs, manifest, progress=progress)
+    parent_dir, deltas = merge_inputs(spec, dht, store, blobs, manifest, progress=progress, trees=trees)
     policy, seed = policy_from_manifest(manifest)
     staging = store.staging()
     try:

@@ -148,7 +148,8 @@ class Worker:
         manifest = self.identity.sign_record(DeltaManifest(
             network=self.spec.network, skill=self.opt.skill, base_version=current.version,
             base_hash=current.weights_hash, blob=sha, size=info.size, codec=info.codec,
-            codec_params=dict(info.params), norm=info.norm, num_tensors=info.num_tensors, stats=result.stats))
+            codec_params=dict(info.params), norm=info.norm, num_tensors=info.num_tensors, stats=result.stats,
+            tree=self.blobs.tree(sha)))
         self._remember(manifest)
         self.publish(manifest)
         self._put_stats(result.stats, force=True)

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from msgspec import UNSET
+
 from skillswarm.node.roles.rounds.state import NO_SHOW_FIGURE, Candidate, Rejected, RoundInputs, RoundState, Verdict, reject
 
 MAX_PARALLEL = 4  # downloads at once: enough to hide one slow provider, few enough for a home uplink
@@ -34,11 +36,15 @@ class Fetch:
             raise RuntimeError("the fetch step needs a DHT (or candidates that arrive with their files)")
         limit = inputs.max_delta_bytes
         sizes: dict[str, set[int]] = {}
+        trees: dict[str, set[str | None]] = {}
         for c in todo:
             sizes.setdefault(c.manifest.blob, set()).add(c.manifest.size)
+            trees.setdefault(c.manifest.blob, set()).add(None if c.manifest.tree is UNSET else c.manifest.tree)
         # one download per blob; where its manifests disagree on its size (a copy re-signed with another), the
         # download takes the hash's word, not either manifest's, so a lying copy cannot fail the original's fetch
-        results = inputs.dht.fetch_many([(blob, next(iter(s)) if len(s) == 1 else None, min(max(s), limit))
+        # with its tree hash, from every holder at once; where manifests disagree on it, from one provider at a time
+        results = inputs.dht.fetch_many([(blob, next(iter(s)) if len(s) == 1 else None, min(max(s), limit),
+                                          next(iter(trees[blob])) if len(trees[blob]) == 1 else None)
                                          for blob, s in sizes.items()],
                                         budget_s=inputs.spec.round.fetch_budget_s, store=inputs.blobs,
                                         max_parallel=self.max_parallel, progress=inputs.progress)
