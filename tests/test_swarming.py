@@ -254,3 +254,23 @@ def test_a_delta_comes_from_its_other_holders_once_its_author_is_gone(tmp_path: 
                                           progress=False, tree=manifest.tree)
         assert sha256_file(Path(report.path)) == sha
         assert {s for s, _, _ in report.segments} == {holder.id}  # every piece from the holder
+
+
+def test_a_copy_counts_only_when_a_random_piece_of_it_matches(tmp_path: Path) -> None:
+    """A leaving coordinator counts the copies others hold (`SwarmDHT.holders`): a peer that says it holds every
+    piece but serves other bytes is no copy."""
+    with blob_swarm("spot", tmp_path, "owner", "honest", "liar") as peers:
+        owner, honest, liar = peers["owner"], peers["honest"], peers["liar"]
+        blob = tmp_path / "ckpt.bin"
+        blob.write_bytes(os.urandom(3 * PIECE_SIZE + 99))
+        size = blob.stat().st_size
+        sha = owner.store.add_file(blob)
+        owner.dht.provide(sha, store=owner.store)
+        for p in (honest, liar):
+            p.dht.fetch(sha, size=size, max_size=size, store=p.store, progress=False, tree=owner.store.tree(sha))
+            p.dht.provide(sha, store=p.store)
+        rot_unseen(liar, sha, lambda path: _rot(path, size))  # it still answers "have" for every piece
+        providers = owner.dht.get_providers(sha)
+        assert {p.peer_id for p in providers} >= {honest.id, liar.id}
+        assert owner.dht.holders(sha, size, providers) == [honest.id]
+        assert honest.dht.holders(sha, size, providers) == [owner.id]  # any holder of a good copy checks so

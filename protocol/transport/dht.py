@@ -522,7 +522,8 @@ class SwarmDHT:
     def holders(self, sha: str, size: int, providers: Sequence[ProviderRecord] | None = None,
                 timeout: float = 10.0) -> list[str]:
         """Peer ids of the other peers that hold all of blob `sha` (`size` bytes) now: each provider (default: those
-        the DHT lists) is asked which pieces it holds, since a record may be a download just begun or a peer gone."""
+        the DHT lists) is asked which pieces it holds, since a record may be a download just begun or a peer gone; when
+        this node serves a copy itself, each must also send a piece drawn at random that matches that copy's."""
         from skillswarm.protocol.transport.swarm import whole_holders
         from skillswarm.protocol.transport.wire import Source
 
@@ -531,8 +532,9 @@ class SwarmDHT:
         sources = [Source(p.peer_id, tuple(p.addrs), p.size) for p in providers]
         if not sources:
             return []
+        mine = self._store if self._store is not None and self._store.has(sha, size) else None
         return self.run_coroutine(whole_holders, timeout=timeout * 2 + CALL_TIMEOUT, sha=check_sha256(sha), size=size,
-                                  sources=sources, per_peer_s=timeout)
+                                  sources=sources, per_peer_s=timeout, digests=mine.pieces(sha) if mine else None)
 
     def served_bytes(self) -> int:
         """Bytes of blobs this node has uploaded to other peers since it started (its provider's counter)."""

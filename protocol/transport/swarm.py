@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import random
@@ -370,21 +371,43 @@ async def _connect(node: hivemind.DHTNode, sources: list[Source], timeout: float
     await asyncio.gather(*(one(s) for s in sources if s.addrs))
 
 
-def _holds_whole(control_path: str, src: Source, sha: str, size: int, timeout: float) -> bool:
+def _holds_whole(control_path: str, src: Source, sha: str, size: int, timeout: float,
+                 digests: bytes | None = None) -> bool:
     """(Worker thread) whether `src` answers that it holds every piece of blob `sha` (`size` bytes): a complete copy
-    it serves (checked by its store) or a download of it whose pieces are all verified."""
+    it serves (checked by its store) or a download of it whose pieces are all verified. With `digests` (the blob's
+    piece list, from a copy the asker holds) one piece drawn at random must also arrive and match: a peer that says
+    it holds the blob and serves other bytes is no copy."""
     by = time.monotonic() + timeout
     try:
         sock = open_stream(control_path, src.peer_id, HANDLER, timeout)
     except OSError:
         return False
+    n = piece_count(size)
     try:
         sock.sendall(frame(BlobRequest(sha=sha, kind="have")))
         header = msgspec.msgpack.decode(recv_exact(sock, frame_length(recv_exact(sock, 4, by)), by), type=BlobHeader)
+        if header.error or header.size != size or not all(unpack_bits(recv_exact(sock, -(-n // 8), by), n)):
+            return False
+    except (OSError, ValueError, msgspec.MsgspecError):
+        return False
+    finally:
+        sock.close()
+    return digests is None or _serves_piece(control_path, src, sha, size, digests, random.randrange(n), by)
+
+
+def _serves_piece(control_path: str, src: Source, sha: str, size: int, digests: bytes, i: int, by: float) -> bool:
+    """(Worker thread) whether `src` sends piece `i` of blob `sha` with the digest `digests` lists for it."""
+    a, b = piece_span(i, size)
+    try:
+        sock = open_stream(control_path, src.peer_id, HANDLER, max(0.01, by - time.monotonic()))
+    except OSError:
+        return False
+    try:
+        sock.sendall(frame(BlobRequest(sha=sha, offset=a, end=b)))
+        header = msgspec.msgpack.decode(recv_exact(sock, frame_length(recv_exact(sock, 4, by)), by), type=BlobHeader)
         if header.error or header.size != size:
             return False
-        n = piece_count(size)
-        return all(unpack_bits(recv_exact(sock, -(-n // 8), by), n))
+        return hashlib.sha256(recv_exact(sock, b - a, by)).digest() == digests[i * DIGEST:(i + 1) * DIGEST]
     except (OSError, ValueError, msgspec.MsgspecError):
         return False
     finally:
@@ -392,9 +415,10 @@ def _holds_whole(control_path: str, src: Source, sha: str, size: int, timeout: f
 
 
 async def whole_holders(dht: hivemind.DHT, node: hivemind.DHTNode, sha: str, size: int, sources: list[Source],
-                        per_peer_s: float = 10.0) -> list[str]:
+                        per_peer_s: float = 10.0, digests: bytes | None = None) -> list[str]:
     """(In the DHT process) the peer ids among `sources` that hold all of blob `sha` now, each asked which pieces it
-    holds: a provider record alone may be a download just begun, or a peer that has left."""
+    holds: a provider record alone may be a download just begun, or a peer that has left. With `digests` (the blob's
+    piece list), each must also serve a piece drawn at random, matching it."""
     check_sha256(sha)
     me = node.peer_id.to_base58()
     sources = [s for s in sources if s.peer_id != me]
@@ -402,5 +426,6 @@ async def whole_holders(dht: hivemind.DHT, node: hivemind.DHTNode, sha: str, siz
         return []
     await _connect(node, sources, per_peer_s)
     control_path = node.p2p.daemon_listen_maddr["unix"]
-    answers = await asyncio.gather(*(in_thread(_holds_whole, control_path, s, sha, size, per_peer_s) for s in sources))
+    answers = await asyncio.gather(*(in_thread(_holds_whole, control_path, s, sha, size, per_peer_s, digests)
+                                     for s in sources))
     return [s.peer_id for s, whole in zip(sources, answers) if whole]
