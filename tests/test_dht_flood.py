@@ -123,7 +123,7 @@ def test_an_allowlist_network_admits_heartbeats_and_providers_of_its_members_onl
     assert check(stored(alice, provider(alice))) and check(stored(coordinator, provider(coordinator)))
     assert not check(stored(stranger, heartbeat(stranger, "observer")))
     assert not check(stored(stranger, provider(stranger)))  # a `pull` with a throwaway key serves nobody here
-    assert not check(stored(boot_key, provider(boot_key)))  # a bootstrap peer serves no blobs
+    assert check(stored(boot_key, provider(boot_key)))  # a bootstrap peer may serve blobs: an archive node
     assert open_check(stored(stranger, heartbeat(stranger, "worker"))) and open_check(stored(stranger, provider(stranger)))
 
 

@@ -79,7 +79,7 @@ def _run_node(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *args: str) -> An
         from skillswarm.protocol.netspec import load_spec
 
         yield SimpleNamespace(spec=load_spec(path), identity=SimpleNamespace(peer_id="peer"), store=None, blobs=None,
-                              dht=SimpleNamespace(visible_maddrs=lambda: ["/ip4/127.0.0.1/tcp/1"]))
+                              dht=SimpleNamespace(visible_maddrs=lambda: ["/ip4/127.0.0.1/tcp/1"], served_bytes=lambda: 0))
 
     class FakeWorker:
         def __init__(self, spec: Any, identity: Any, dht: Any, store: Any, blobs: Any, options: Any, **kw: Any) -> None:

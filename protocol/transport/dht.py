@@ -30,12 +30,12 @@ from skillswarm.protocol.codec import decode_record, encode_record
 from skillswarm.protocol.errors import BlobError, NetworkError, RecordError
 from skillswarm.protocol.identity import Identity, verify_record
 from skillswarm.protocol.keys import (
-    checkpoint_key, deltas_key, latest_checkpoint_key, locations, peers_key, providers_key, skill_key,
+    deltas_key, locations, peers_key, providers_key, skill_key,
 )
-from skillswarm.protocol.quorum import Endorsement, accepted, endorsements
 from skillswarm.protocol.records import (
-    ArchivedCheckpoint, CheckpointManifest, DeltaManifest, Hardware, PeerRecord, ProviderRecord, Record, SkillStats, kind_of,
+    DeltaManifest, Hardware, PeerRecord, ProviderRecord, Record, SkillStats, kind_of,
 )
+from skillswarm.protocol.transport.checkpoint_reads import CheckpointReads
 from skillswarm.protocol.transport.republisher import Republisher
 from skillswarm.protocol.version import __version__
 
@@ -47,7 +47,6 @@ R = TypeVar("R", bound=Record)
 
 CALL_TIMEOUT = 60.0
 REJOIN_S = 10.0  # how often a peer checks that it is still connected to the peers it joined through
-LATEST_LOOKBACK = 8  # versions below the newest signed one a reader looks at for one its quorum accepted
 
 
 def _listen_maddr(host: str, port: int) -> str:
@@ -74,7 +73,7 @@ def _check_maddrs(maddrs: Iterable[str], what: str, need_peer_id: bool) -> list[
     return out
 
 
-class SwarmDHT:
+class SwarmDHT(CheckpointReads):
     """A node's DHT peer for one network: typed, verified records and content-addressed blobs.
 
     `host`/`port`: where p2pd listens (port 0: any free one). `initial_peers`: multiaddrs of running peers
@@ -411,77 +410,6 @@ class SwarmDHT:
         order = self.run_coroutine(provider_order, peer_ids=list(by_peer),
                                    limit=MAX_PROVIDERS if limit is None else limit)
         return [by_peer[p] for p in order if p in by_peer]
-
-    def _checkpoint_manifests(self, keys: Sequence[str], trusted: Iterable[str] | None) -> list[CheckpointManifest]:
-        """Every good CheckpointManifest under `keys` by a `trusted` key (None: any), the coordinators' own and those
-        held in archive nodes' copies (`ArchivedCheckpoint`), once each."""
-        from skillswarm.protocol.transport.dht_process import get_values
-        from skillswarm.protocol.transport.validation import archived_manifests
-
-        trusted = None if trusted is None else set(trusted)
-        out: dict[tuple[str, int, bytes], CheckpointManifest] = {}
-        for i in range(0, len(keys), 64):
-            found = self.run_coroutine(get_values, keys=list(keys[i:i + 64]))
-            for key, entries in found.items():
-                for subkey, (data, _expiration) in entries.items():
-                    try:
-                        record = decode_record(data)
-                        if not isinstance(record, (CheckpointManifest, ArchivedCheckpoint)):
-                            raise RecordError(f"a {kind_of(type(record))} record under a checkpoint key")
-                        if (key, subkey) not in locations(record):
-                            raise RecordError(f"{kind_of(type(record))} record found under {key}, where it does not belong")
-                        if isinstance(record, ArchivedCheckpoint):
-                            verify_record(record, network=self._net)
-                            manifests = [m for m in archived_manifests(record) if trusted is None or m.author in trusted]
-                        else:
-                            verify_record(record, network=self._net, trusted=trusted)
-                            manifests = [record]
-                    except RecordError as e:
-                        logger.debug("dropped a record under %s: %s", key, e)
-                        continue
-                    for m in manifests:
-                        out.setdefault((m.author, m.version, m.signature), m)
-        return list(out.values())
-
-    def checkpoint_endorsements(self, version: int, *, trusted: Iterable[str] | None) -> list[Endorsement]:
-        """Every body of checkpoint `version` some `trusted` coordinator signed, with its signers (`quorum`)."""
-        return endorsements(self._checkpoint_manifests([checkpoint_key(self._net, version)], trusted))
-
-    def latest_checkpoint(self, *, trusted: Iterable[str] | None, quorum: int = 1) -> CheckpointManifest | None:
-        """The newest checkpoint at least `quorum` `trusted` keys (None: any valid signature) signed."""
-        trusted = None if trusted is None else list(trusted)
-        found = self._checkpoint_manifests([latest_checkpoint_key(self._net)], trusted)
-        if not found:
-            return None
-        top = max(m.version for m in found)
-        ok = accepted(found, quorum)
-        if top in ok:
-            return ok[top].manifest
-        # the newest versions still gather signatures (or split): look at each version's own key, newest first
-        for v in range(top, max(-1, top - LATEST_LOOKBACK), -1):
-            m = self.get_checkpoint(v, trusted=trusted, quorum=quorum)
-            if m is not None:
-                return m
-        return None
-
-    def get_checkpoint(self, version: int, *, trusted: Iterable[str] | None, quorum: int = 1) -> CheckpointManifest | None:
-        """The checkpoint of one version at least `quorum` `trusted` coordinators signed (`quorum.accepted`)."""
-        found = self._checkpoint_manifests([checkpoint_key(self._net, version)], trusted)
-        e = accepted(found, quorum).get(version)
-        return None if e is None else e.manifest
-
-    def get_checkpoints(self, *, trusted: Iterable[str] | None, since: int = 0,
-                        quorum: int = 1) -> list[CheckpointManifest]:
-        """Every accepted checkpoint (`quorum` `trusted` signatures) from version `since` up to the latest, in
-        version order (a version nobody keeps alive any more is simply missing)."""
-        trusted = None if trusted is None else list(trusted)
-        latest = self.latest_checkpoint(trusted=trusted, quorum=quorum)
-        if latest is None:
-            return []
-        keys = [checkpoint_key(self._net, v) for v in range(since, latest.version + 1)]
-        ok = accepted(self._checkpoint_manifests(keys, trusted), quorum)
-        ok.setdefault(latest.version, Endorsement(latest, (latest.author,), ""))
-        return [ok[v].manifest for v in sorted(ok) if since <= v <= latest.version]
 
     # ---- blobs --------------------------------------------------------------------------------------
     def serve_blobs(self, store: BlobStore | None = None, *, max_concurrent: int = 4,
