@@ -24,7 +24,7 @@ from tests.net_helpers import offer_delta, start_coordinator, wait_for
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def test_a_killed_leaders_round_is_finished_by_anotherstart_coordinator(nano_model: Path, tmp_path: Path) -> None:
+def test_a_killed_leaders_round_is_finished_by_another_coordinator(nano_model: Path, tmp_path: Path) -> None:
     keys = [tmp_path / f"c{i}.key" for i in range(3)]
     ids = [Identity.load_or_create(k) for k in keys]
     spec_file = tmp_path / "net.toml"
