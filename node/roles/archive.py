@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import msgspec
@@ -132,10 +133,11 @@ class Archive:
         if latest is None:
             self.note = "no checkpoint on the network yet"
             return []
-        held = set(self.versions())
+        held, kept = set(self.versions()), self.store.versions()
+        oldest_kept = kept[0] if kept else 0  # older versions' files were dropped for the quota, and stay so
         done, failed = [], []
         for v in range(0, latest.version + 1):
-            if v in self._gone or (v in held and (self.store.has(v) or v < self._oldest_kept())):
+            if v in self._gone or (v in held and (self.store.has(v) or v < oldest_kept)):
                 continue
             found = accepted(self._endorsed(v), self.spec.quorum_k()).get(v)
             if found is None:
@@ -186,29 +188,26 @@ class Archive:
             room -= len(data) + 8
         return out
 
-    def _oldest_kept(self) -> int:
-        """The oldest version whose files are kept (older ones were evicted for the quota and stay so)."""
-        versions = self.store.versions()
-        return versions[0] if versions else 0
-
     def evict(self) -> None:
         """Within the quota: drop the files of the oldest versions (never the newest), blobs shared with a kept
         version excepted. Their signed records stay (they are small): history stays verifiable."""
         if self.quota_bytes is None:
             return
         versions = self.store.versions()
-        while len(versions) > 1 and self.held_bytes() > self.quota_bytes:
+        blobs_of = {v: {f.sha256 for f in m.files} | ({m.merged_delta.sha256} if m.merged_delta else set())
+                    for v in versions for m in [self.store.manifest(v)]}
+        refs = Counter(sha for v in versions for sha in blobs_of[v])  # how many kept versions use each blob
+        held = self.held_bytes()
+        while len(versions) > 1 and held > self.quota_bytes:
             old = versions.pop(0)
-            gone = self.store.manifest(old)
-            keep = {f.sha256 for v in versions for f in self.store.manifest(v).files}
-            keep |= {m.merged_delta.sha256 for v in versions if (m := self.store.manifest(v)).merged_delta}
             self.store.remove(old)
-            for sha in {f.sha256 for f in gone.files} | ({gone.merged_delta.sha256} if gone.merged_delta else set()):
-                if sha not in keep:
+            for sha in blobs_of[old]:
+                refs[sha] -= 1
+                if refs[sha] == 0 and self.blobs.path(sha).is_file():
+                    held -= self.blobs.size(sha)
                     self.dht.unprovide(sha)
                     self.blobs.remove(sha)
-            log.info("quota: dropped the files of v%d (%d bytes held now)", old, self.held_bytes())
-        if self.held_bytes() > self.quota_bytes:
-            self.note = (f"the newest version alone takes {self.held_bytes()} bytes, over the quota of "
-                         f"{self.quota_bytes}")
+            log.info("quota: dropped the files of v%d (%d bytes held now)", old, held)
+        if held > self.quota_bytes:
+            self.note = f"the newest version alone takes {held} bytes, over the quota of {self.quota_bytes}"
             log.warning("%s", self.note)

@@ -8,14 +8,14 @@ network's quorum of trusted coordinators signed one body (`protocol.quorum`).
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from skillswarm.protocol.codec import decode_record
 from skillswarm.protocol.errors import RecordError
 from skillswarm.protocol.identity import verify_record
-from skillswarm.protocol.keys import checkpoint_key, latest_checkpoint_key, locations
+from skillswarm.protocol.keys import checkpoint_key, latest_checkpoint_key
 from skillswarm.protocol.quorum import Endorsement, accepted, endorsements
-from skillswarm.protocol.records import ArchivedCheckpoint, CheckpointManifest, kind_of
+from skillswarm.protocol.records import ArchivedCheckpoint, CheckpointManifest, Record, kind_of
 
 logger = logging.getLogger(__name__)
 
@@ -23,40 +23,41 @@ LATEST_LOOKBACK = 8  # versions below the newest signed one a reader looks at fo
 
 
 class CheckpointReads:
-    """The checkpoint queries of a DHT handle (`SwarmDHT`), which provides `_net` (its network) and `run_coroutine`."""
+    """The checkpoint queries of a DHT handle (`SwarmDHT`), which provides `_net` (its network) and `_placed` (the
+    records under some keys that decode and sit where they belong)."""
 
     _net: str
-    run_coroutine: Any
+    _placed: Callable[[Sequence[str], Callable[[bytes], Record]], Iterator[Record]]
 
     def _checkpoint_manifests(self, keys: Sequence[str], trusted: Iterable[str] | None) -> list[CheckpointManifest]:
         """Every good CheckpointManifest under `keys` by a `trusted` key (None: any), the coordinators' own and those
         held in archive nodes' copies (`ArchivedCheckpoint`), once each."""
-        from skillswarm.protocol.transport.dht_process import get_values
         from skillswarm.protocol.transport.validation import archived_manifests
 
         trusted = None if trusted is None else set(trusted)
+
+        def decode(data: bytes) -> Record:
+            record = decode_record(data)
+            if isinstance(record, CheckpointManifest):
+                verify_record(record, network=self._net, trusted=trusted)
+            elif isinstance(record, ArchivedCheckpoint):
+                verify_record(record, network=self._net)  # its author vouches for nothing: each manifest is checked
+            else:
+                raise RecordError(f"a {kind_of(type(record))} record under a checkpoint key")
+            return record
+
         out: dict[tuple[str, int, bytes], CheckpointManifest] = {}
-        for i in range(0, len(keys), 64):
-            found = self.run_coroutine(get_values, keys=list(keys[i:i + 64]))
-            for key, entries in found.items():
-                for subkey, (data, _expiration) in entries.items():
-                    try:
-                        record = decode_record(data)
-                        if not isinstance(record, (CheckpointManifest, ArchivedCheckpoint)):
-                            raise RecordError(f"a {kind_of(type(record))} record under a checkpoint key")
-                        if (key, subkey) not in locations(record):
-                            raise RecordError(f"{kind_of(type(record))} record found under {key}, where it does not belong")
-                        if isinstance(record, ArchivedCheckpoint):
-                            verify_record(record, network=self._net)
-                            manifests = [m for m in archived_manifests(record) if trusted is None or m.author in trusted]
-                        else:
-                            verify_record(record, network=self._net, trusted=trusted)
-                            manifests = [record]
-                    except RecordError as e:
-                        logger.debug("dropped a record under %s: %s", key, e)
-                        continue
-                    for m in manifests:
-                        out.setdefault((m.author, m.version, m.signature), m)
+        for record in self._placed(keys, decode):
+            if isinstance(record, ArchivedCheckpoint):
+                try:
+                    manifests = [m for m in archived_manifests(record) if trusted is None or m.author in trusted]
+                except RecordError as e:
+                    logger.debug("dropped an archived copy of v%d: %s", record.version, e)
+                    continue
+            else:
+                manifests = [record]  # type: ignore[list-item]
+            for m in manifests:
+                out.setdefault((m.author, m.version, m.signature), m)
         return list(out.values())
 
     def checkpoint_endorsements(self, version: int, *, trusted: Iterable[str] | None) -> list[Endorsement]:

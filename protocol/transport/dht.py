@@ -22,7 +22,7 @@ import threading
 import time
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 from skillswarm.protocol.transport.blobs import BlobStore, check_sha256
 from skillswarm.protocol.transport.downloads import fetch_many, fetch_one
@@ -352,26 +352,36 @@ class SwarmDHT(CheckpointReads):
             self._republisher = Republisher(self)
         return self._republisher
 
-    def _records(self, keys: Sequence[str], kind: type[R], trusted: Iterable[str] | None = None) -> list[R]:
-        """Every good record of `kind` under `keys`; anything malformed, forged or misplaced is dropped."""
+    def _placed(self, keys: Sequence[str], decode: Callable[[bytes], Record]) -> Iterator[Record]:
+        """Every value under `keys` that `decode` turns into a record (it raises RecordError for a malformed or forged
+        one) and that sits where its content says it belongs; anything else is dropped."""
         from skillswarm.protocol.transport.dht_process import get_values
 
-        trusted = None if trusted is None else set(trusted)
-        out: list[R] = []
         for i in range(0, len(keys), 64):
             found = self.run_coroutine(get_values, keys=list(keys[i:i + 64]))
             for key, entries in found.items():
                 for subkey, (data, _expiration) in entries.items():
                     try:
-                        record = decode_record(data, kind)
-                        verify_record(record, network=self._net, trusted=trusted)
+                        record = decode(data)
                         if (key, subkey) not in locations(record):
-                            raise RecordError(f"{kind_of(kind)} record found under {key}, where it does not belong")
+                            raise RecordError(f"{kind_of(type(record))} record found under {key}, where it does not "
+                                              "belong")
                     except RecordError as e:
                         logger.debug("dropped a record under %s: %s", key, e)
                         continue
-                    out.append(record)
-        return out
+                    yield record
+
+    def _records(self, keys: Sequence[str], kind: type[R], trusted: Iterable[str] | None = None) -> list[R]:
+        """Every good record of `kind` under `keys`, signed (by a `trusted` key when given); anything malformed, forged
+        or misplaced is dropped."""
+        trusted = None if trusted is None else set(trusted)
+
+        def decode(data: bytes) -> R:
+            record = decode_record(data, kind)
+            verify_record(record, network=self._net, trusted=trusted)
+            return record
+
+        return list(self._placed(keys, decode))  # type: ignore[arg-type]
 
     def get_peers(self) -> list[PeerRecord]:
         """The PeerRecords of every node online (not expired): first those of the nodes this one sees running (its

@@ -109,8 +109,9 @@ class StorePolicy:
         return cls(network=spec.network, skills=frozenset(spec.skills), coordinators=frozenset(spec.coordinators),
                    workers=workers, bootstrap_peers=boot)
 
-    def check(self, record: Record) -> None:
-        """Raise `ValueError` saying why this network does not store `record`."""
+    def check(self, record: Record, inner: list[CheckpointManifest] | None = None) -> None:
+        """Raise `ValueError` saying why this network does not store `record` (an archived copy: with its manifests,
+        `inner` when the caller has already decoded and verified them)."""
         kind = kind_of(type(record))
         if record.network != self.network:
             raise ValueError(f"{kind} record of network `{record.network}`, this peer stores `{self.network}`")
@@ -122,7 +123,7 @@ class StorePolicy:
         if isinstance(record, CheckpointManifest) and record.author not in self.coordinators:
             raise ValueError(f"checkpoint manifest by {record.author[:16]}, not one of the network's coordinators")
         if isinstance(record, ArchivedCheckpoint):
-            for m in archived_manifests(record):
+            for m in archived_manifests(record) if inner is None else inner:
                 self.check(m)
         if isinstance(record, (PeerRecord, ProviderRecord)) and self.workers is not None \
                 and record.author not in self.workers and record.author not in self.coordinators \
@@ -208,10 +209,10 @@ class OwnerSignatureValidator(RecordValidatorBase):
         if record.expiration_time - rec.created > MAX_TTL[kind] + CLOCK_SKEW:
             raise ValueError(f"{kind} record would live {record.expiration_time - rec.created:.0f} s past its creation, "
                              f"over the {MAX_TTL[kind]:g} s a {kind} may live")
-        if isinstance(rec, ArchivedCheckpoint):
-            archived_manifests(rec)  # each inner manifest well-formed, signed, and of this version
+        # an archived copy: each of its manifests well-formed, signed, and of its version (decoded once, here)
+        inner = archived_manifests(rec) if isinstance(rec, ArchivedCheckpoint) else None
         if self._policy is not None:
-            self._policy.check(rec)
+            self._policy.check(rec, inner)
         elif isinstance(rec, (CheckpointManifest, ArchivedCheckpoint)) and record.expiration_time > now + UNTRUSTED_CHECKPOINT_TTL + CLOCK_SKEW:
             raise ValueError(f"checkpoint manifest expires later than the {UNTRUSTED_CHECKPOINT_TTL:g} s an untrusted "
                              "one may live (this peer has no network file to tell a coordinator by)")
